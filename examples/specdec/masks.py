@@ -1,0 +1,88 @@
+"""Attention masks shared by the target and the drafter.
+
+Every mask is written once as a flex-attention ``mask_mod(b, h, q_idx, kv_idx) -> bool``. The same function is used
+two ways:
+
+* on CUDA it is handed to ``create_block_mask`` and the resulting ``BlockMask`` drives compiled ``flex_attention``;
+* on CPU (where flex_attention has no backward on torch 2.13) it is evaluated densely by broadcasting index tensors,
+  giving a boolean ``[B, 1, Q, KV]`` mask for ``F.scaled_dot_product_attention``.
+
+Because both paths evaluate the very same ``mask_mod``, the CPU fallback trains exactly the attention pattern that
+the CUDA path trains.
+
+Drafter key layout at training-time-test (TTT) step ``i``: the keys/values of steps ``0..i`` are concatenated along
+the sequence axis, so ``kv_idx = step * S + position``.
+
+* step-0 keys were computed from the *target's* fused hidden states: ordinary document-causal attention
+  (``kv_pos <= q`` and same document);
+* keys of steps ``1..i`` were computed from the drafter's *own* earlier outputs at the same position: only the
+  diagonal (``kv_pos == q``) is visible. At inference those are the drafter's earlier speculated tokens for the
+  position being extended, and no other position has such keys.
+"""
+from __future__ import annotations
+
+from typing import Callable, List, Union
+
+import torch
+
+MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+Mask = Union[torch.Tensor, "torch.nn.attention.flex_attention.BlockMask"]
+
+
+def document_causal_mod(doc: torch.Tensor) -> MaskMod:
+    """Causal attention restricted to the query's own packed document (``doc`` is ``[B, S]`` document ids)."""
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (doc[b, q_idx] == doc[b, kv_idx])
+
+    return mask_mod
+
+
+def ttt_mod(doc: torch.Tensor, seq_len: int) -> MaskMod:
+    """Mask of TTT step ``i`` over the concatenated keys of steps ``0..i`` (see module docstring)."""
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        step = kv_idx // seq_len
+        pos = kv_idx % seq_len
+        same_doc = doc[b, q_idx] == doc[b, pos]
+        causal_on_target = (step == 0) & (pos <= q_idx)
+        own_diagonal = (step > 0) & (pos == q_idx)
+        return same_doc & (causal_on_target | own_diagonal)
+
+    return mask_mod
+
+
+def dense_mask(mask_mod: MaskMod, batch: int, q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
+    """Evaluate ``mask_mod`` for every (b, q, kv) by broadcasting: ``[B, 1, Q, KV]`` bool, True = attend."""
+    b = torch.arange(batch, device=device).view(batch, 1, 1)
+    q = torch.arange(q_len, device=device).view(1, q_len, 1)
+    kv = torch.arange(kv_len, device=device).view(1, 1, kv_len)
+    h = torch.zeros((), dtype=torch.long, device=device)
+    return mask_mod(b, h, q, kv).unsqueeze(1)
+
+
+def use_flex(device: torch.device) -> bool:
+    """flex_attention is used where it can train (CUDA); elsewhere the dense SDPA fallback."""
+    return torch.device(device).type == "cuda"
+
+
+def build_mask(mask_mod: MaskMod, batch: int, q_len: int, kv_len: int, device: torch.device) -> Mask:
+    """A ``BlockMask`` on CUDA, a dense boolean mask elsewhere; built eagerly, outside compiled code."""
+    if use_flex(device):
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        return create_block_mask(mask_mod, batch, None, q_len, kv_len, device=str(device))
+    return dense_mask(mask_mod, batch, q_len, kv_len, torch.device(device))
+
+
+def target_mask(doc: torch.Tensor) -> Mask:
+    """Document-causal mask for the target over a packed ``[B, S]`` batch."""
+    batch, seq = doc.shape
+    return build_mask(document_causal_mod(doc), batch, seq, seq, doc.device)
+
+
+def ttt_masks(doc: torch.Tensor, steps: int) -> List[Mask]:
+    """One mask per TTT step ``i`` (query length S, key length ``S * (i + 1)``)."""
+    batch, seq = doc.shape
+    mod = ttt_mod(doc, seq)
+    return [build_mask(mod, batch, seq, seq * (i + 1), doc.device) for i in range(steps)]

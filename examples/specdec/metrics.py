@@ -1,0 +1,197 @@
+"""Metrics: acceptance length τ, throughput per thread kind, compile counts, errors; JSONL log, progress, plot.
+
+Acceptance (τ) definition used everywhere in this example
+---------------------------------------------------------
+An evaluation sequence is a held-out prompt followed by the *target's own greedy continuation* (generated once
+at start-up, the target is frozen). For a sampled position t (the last context position; token t+1 is the
+target's "bonus" token from the previous verification), the drafter proposes k tokens autoregressively with the
+TTT unrolling (step 0 reads the fused target features at t and token t+1; step i reads its own step-(i-1) hidden
+state and proposal). Proposal i is accepted iff it and all earlier proposals equal the target's greedy tokens
+t+2 .. t+2+i. Because the continuation *is* greedy, "equal to the target's greedy token given the drafted
+prefix" is a comparison against the stored sequence.
+
+* ``accept[i]``: fraction of positions whose first i+1 proposals are all accepted (non-increasing in i).
+* ``tau``: mean accepted-prefix length in 0..k, which equals ``sum(accept)``. (Tokens per target forward in real
+  speculative decoding would be τ + 1, counting the bonus token.)
+"""
+from __future__ import annotations
+
+import collections
+import json
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import torch
+
+
+def acceptance(proposals: torch.Tensor, tokens: torch.Tensor, first: int, last: int) -> Dict[str, object]:
+    """τ and per-position acceptance. proposals ``[k, B, S]`` (proposal i at t targets token t+2+i), tokens
+    ``[B, S]`` greedy beyond the prompt; positions t in ``[first, last]`` are scored."""
+    k = proposals.shape[0]
+    t = torch.arange(first, last + 1, device=tokens.device)
+    match = torch.stack([proposals[i][:, t] == tokens[:, t + 2 + i] for i in range(k)])  # [k, B, T]
+    accepted = match.long().cumprod(dim=0).float()
+    per_pos = accepted.mean(dim=(1, 2))
+    return {"tau": float(accepted.sum(0).mean()), "accept": [round(float(a), 4) for a in per_pos]}
+
+
+@dataclass
+class ErrorLog:
+    """Thread-safe error bookkeeping: the first fatal error (with traceback) and counted, tolerated errors."""
+
+    counts: collections.Counter = field(default_factory=collections.Counter)
+    first: Optional[str] = None
+    first_exc: Optional[BaseException] = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def count(self, where: str, exc: BaseException) -> None:
+        with self.lock:
+            self.counts[f"{where}: {type(exc).__name__}: {str(exc).splitlines()[0][:90] if str(exc) else ''}"] += 1
+
+    def fatal(self, where: str, exc: BaseException) -> bool:
+        """Record a fatal error; True if it is the first one."""
+        with self.lock:
+            if self.first is None:
+                self.first = f"[{where}] " + "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+                self.first_exc = exc
+                return True
+            self.counts[f"{where} (after first): {type(exc).__name__}"] += 1
+            return False
+
+    def total(self) -> int:
+        return sum(self.counts.values()) + (self.first is not None)
+
+
+class Throughput:
+    """Tokens and steps per thread kind, with each kind's time to first completed step."""
+
+    def __init__(self) -> None:
+        self.start = time.monotonic()
+        self.lock = threading.Lock()
+        self.tokens: Dict[str, int] = collections.Counter()
+        self.steps: Dict[str, int] = collections.Counter()
+        self.first_step: Dict[str, float] = {}
+        self.last_step: Dict[str, float] = {}
+
+    def add(self, kind: str, tokens: int) -> None:
+        now = time.monotonic() - self.start
+        with self.lock:
+            self.tokens[kind] += tokens
+            self.steps[kind] += 1
+            self.first_step.setdefault(kind, now)
+            self.last_step[kind] = now
+
+    def summary(self) -> Dict[str, Dict[str, float]]:
+        out = {}
+        with self.lock:
+            for kind in sorted(self.tokens):
+                wall = max(self.last_step[kind], 1e-9)
+                steady_time = self.last_step[kind] - self.first_step[kind]
+                steady_tokens = self.tokens[kind] * (self.steps[kind] - 1) / max(self.steps[kind], 1)
+                out[kind] = {
+                    "steps": self.steps[kind],
+                    "tokens": self.tokens[kind],
+                    "time_to_first_step_s": round(self.first_step[kind], 2),
+                    "tokens_per_s": round(self.tokens[kind] / wall, 1),
+                    "steady_tokens_per_s": round(steady_tokens / steady_time, 1) if steady_time > 0 else None,
+                }
+        return out
+
+
+def compile_counts() -> Dict[str, int]:
+    """Dynamo's own counters: unique graphs compiled and frames seen (process-wide)."""
+    try:
+        from torch._dynamo.utils import counters
+    except Exception:  # pragma: no cover - dynamo unavailable
+        return {}
+    stats = counters.get("stats", {})
+    return {"unique_graphs": int(stats.get("unique_graphs", 0)), "calls_captured": int(stats.get("calls_captured", 0)),
+            "frames_ok": int(counters.get("frames", {}).get("ok", 0)),
+            "recompiles": int(sum(counters.get("recompiles", {}).values()))}
+
+
+def ttc_status() -> Dict[str, object]:
+    """``torch_threadsafe_compile.status()`` when the package is importable; never fails the run."""
+    try:
+        import torch_threadsafe_compile as ttc  # noqa: F401
+    except Exception as e:
+        return {"importable": False, "reason": f"{type(e).__name__}: {e}"}
+    try:
+        status = ttc.status()
+        json.dumps(status, default=str)
+        return {"importable": True, "status": status}
+    except Exception as e:
+        return {"importable": True, "status_error": f"{type(e).__name__}: {e}"}
+
+
+class Progress:
+    """tqdm when installed and stderr is a terminal; otherwise one plain line every ``every`` steps."""
+
+    def __init__(self, total: int, initial: int, every: int) -> None:
+        self.every, self.bar = max(1, every), None
+        if sys.stderr.isatty():
+            try:
+                from tqdm import tqdm
+
+                self.bar = tqdm(total=total, initial=initial, desc="train", dynamic_ncols=True)
+            except ImportError:
+                pass
+
+    def update(self, step: int, total: int, info: Dict[str, object]) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix({k: v for k, v in info.items()}, refresh=False)
+        elif step % self.every == 0 or step == total:
+            print(f"step {step}/{total} " + " ".join(f"{k}={v}" for k, v in info.items()), flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+class MetricsLog:
+    """Append-only JSONL (one record per step or eval) plus an in-memory copy for the summary and plot."""
+
+    def __init__(self, path: Optional[Path]) -> None:
+        self.path = path
+        self.records: List[Dict[str, object]] = []
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        self.fh = open(path, "a", encoding="utf-8") if path is not None else None
+
+    def write(self, record: Dict[str, object]) -> None:
+        self.records.append(record)
+        if self.fh is not None:
+            self.fh.write(json.dumps(record) + "\n")
+            self.fh.flush()
+
+    def close(self) -> None:
+        if self.fh is not None:
+            self.fh.close()
+
+
+def plot(records: List[Dict[str, object]], path: Path) -> Optional[str]:
+    """PNG of training loss and τ against step; returns a note instead when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib not installed: plot skipped"
+    train = [r for r in records if r.get("kind") == "train"]
+    evals = [r for r in records if r.get("kind") == "eval"]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.5))
+    a.plot([r["step"] for r in train], [r["loss"] for r in train])
+    a.set_xlabel("step"), a.set_ylabel("TTT loss"), a.set_title("drafter loss")
+    b.plot([r["step"] for r in evals], [r["tau"] for r in evals], marker="o")
+    b.set_xlabel("step"), b.set_ylabel("τ (accepted tokens)"), b.set_title("acceptance length")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return None

@@ -1,0 +1,314 @@
+"""Target and drafter models.
+
+* ``TargetLM``: a small Llama-style decoder (RMSNorm, RoPE, SwiGLU, causal attention) built in code with a seeded
+  random init. A random transformer's greedy tokens are an arbitrary (but deterministic) function of the context;
+  to give it some learnable, data-consistent structure, its logits get a frozen bigram prior taken from the
+  synthetic Markov chain (``prior``), so its greedy continuation mostly follows likely successors while the
+  transformer part decides between them from context.
+* ``HFTarget``: wraps a local Hugging Face causal LM (transformers imported lazily) behind the same interface.
+* ``Drafter``: EAGLE-3 style: fuse(concat(low, mid, high target hidden states)) -> concat with the token embedding
+  -> one decoder layer -> LM head. Embedding and LM head are frozen copies of the target's.
+
+All attention goes through ``attention()``, which runs ``flex_attention`` for a ``BlockMask`` (CUDA; always called
+from compiled code) and ``scaled_dot_product_attention`` with a dense boolean mask otherwise (CPU fallback).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .masks import Mask
+
+
+# --------------------------------------------------------------------------------------------- building blocks
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.gate = nn.Linear(dim, hidden, bias=False)
+        self.up = nn.Linear(dim, hidden, bias=False)
+        self.down = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+def rope(x: torch.Tensor, pos: torch.Tensor, theta: float = 10000.0) -> torch.Tensor:
+    """Rotary embedding of ``x`` ``[B, H, S, D]`` at integer positions ``pos`` ``[B, S]`` (rotate-half form)."""
+    half = x.shape[-1] // 2
+    inv_freq = theta ** (-torch.arange(half, device=x.device, dtype=torch.float32) / half)
+    ang = pos.float().unsqueeze(-1) * inv_freq  # [B, S, half]
+    cos, sin = ang.cos().unsqueeze(1).to(x.dtype), ang.sin().unsqueeze(1).to(x.dtype)
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask) -> torch.Tensor:
+    """``[B, H, Q, D] x [B, H, KV, D] -> [B, H, Q, D]`` under ``mask`` (BlockMask -> flex, tensor -> SDPA)."""
+    if isinstance(mask, torch.Tensor):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return flex_attention(q, k, v, block_mask=mask)
+
+
+def hidden_layer_ids(num_layers: int) -> Tuple[int, int, int]:
+    """Indices into a ``hidden_states`` tuple (entry 0 = embeddings, entry i = output of layer i) used as the
+    EAGLE-3 low/mid/high features: roughly a quarter, half and all-but-one of the depth."""
+    low = max(1, num_layers // 4)
+    mid = max(1, num_layers // 2)
+    high = num_layers - 1 if num_layers >= 3 else num_layers
+    return low, mid, high
+
+
+# ----------------------------------------------------------------------------------------------------- target
+@dataclass
+class TargetConfig:
+    vocab_size: int = 256
+    dim: int = 128
+    layers: int = 4
+    heads: int = 4
+    ffn: int = 256
+    seed: int = 0
+    prior_strength: float = 2.0  # weight of the frozen bigram prior in the logits (0 disables it)
+
+
+class Attention(nn.Module):
+    def __init__(self, in_dim: int, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads, self.head_dim = heads, dim // heads
+        self.q = nn.Linear(in_dim, dim, bias=False)
+        self.k = nn.Linear(in_dim, dim, bias=False)
+        self.v = nn.Linear(in_dim, dim, bias=False)
+        self.o = nn.Linear(dim, dim, bias=False)
+
+    def project(self, x: torch.Tensor, pos: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        b, s, _ = x.shape
+        split = lambda t: t.view(b, s, self.heads, self.head_dim).transpose(1, 2)  # noqa: E731
+        q, k, v = split(self.q(x)), split(self.k(x)), split(self.v(x))
+        return rope(q, pos), rope(k, pos), v
+
+    def merge(self, out: torch.Tensor) -> torch.Tensor:
+        b, h, s, d = out.shape
+        return self.o(out.transpose(1, 2).reshape(b, s, h * d))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: TargetConfig) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.dim)
+        self.attn = Attention(cfg.dim, cfg.dim, cfg.heads)
+        self.mlp_norm = RMSNorm(cfg.dim)
+        self.mlp = SwiGLU(cfg.dim, cfg.ffn)
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor, mask: Mask) -> torch.Tensor:
+        q, k, v = self.attn.project(self.attn_norm(x), pos)
+        x = x + self.attn.merge(attention(q, k, v, mask))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class TargetLM(nn.Module):
+    """Frozen Llama-style target. ``forward`` returns logits and the full ``hidden_states`` list (HF convention)."""
+
+    def __init__(self, cfg: TargetConfig, prior: Optional[torch.Tensor] = None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        gen = torch.Generator().manual_seed(cfg.seed)
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
+        self.norm = RMSNorm(cfg.dim)
+        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        for name, p in self.named_parameters():  # seeded init independent of the global RNG
+            if p.dim() == 2:
+                std = 1.0 if name.startswith("embed") else 1.0 / math.sqrt(p.shape[1])
+                with torch.no_grad():
+                    p.copy_(torch.randn(p.shape, generator=gen) * std)
+        if prior is None:
+            prior = torch.zeros(cfg.vocab_size, cfg.vocab_size)
+        self.register_buffer("prior", prior.float() * cfg.prior_strength, persistent=False)
+        self.requires_grad_(False)
+
+    @property
+    def num_layers(self) -> int:
+        return self.cfg.layers
+
+    def input_embedding(self) -> torch.Tensor:
+        return self.embed.weight
+
+    def output_embedding(self) -> torch.Tensor:
+        return self.lm_head.weight
+
+    def forward(self, tokens: torch.Tensor, pos: torch.Tensor, mask: Mask) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+        x = self.embed(tokens)
+        hidden = [x]
+        for blk in self.blocks:
+            x = blk(x, pos, mask)
+            hidden.append(x)
+        logits = self.lm_head(self.norm(x)) + self.prior[tokens]
+        return logits, hidden
+
+
+class HFTarget(nn.Module):
+    """A local Hugging Face causal LM behind the ``TargetLM`` interface (transformers imported lazily).
+
+    Packed documents are kept apart by passing the dense document-causal mask as a 4D boolean ``attention_mask``
+    (SDPA attention) and per-document ``position_ids``.
+    """
+
+    def __init__(self, path: str) -> None:
+        super().__init__()
+        try:
+            from transformers import AutoModelForCausalLM
+        except ImportError as e:  # optional extra
+            raise SystemExit("--target-hf needs the optional dependency 'transformers' (pip install transformers)") from e
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+        self.model.eval().requires_grad_(False)
+        cfg = self.model.config
+        self.vocab_size = int(cfg.vocab_size)
+        self.dim = int(cfg.hidden_size)
+        self.heads = int(cfg.num_attention_heads)
+        self.ffn = int(getattr(cfg, "intermediate_size", 4 * self.dim))
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.model.config.num_hidden_layers)
+
+    def input_embedding(self) -> torch.Tensor:
+        return self.model.get_input_embeddings().weight
+
+    def output_embedding(self) -> torch.Tensor:
+        return self.model.get_output_embeddings().weight
+
+    def forward(self, tokens: torch.Tensor, pos: torch.Tensor, mask: Mask) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+        if not isinstance(mask, torch.Tensor):
+            raise TypeError("HFTarget takes a dense boolean mask (build it with masks.dense_mask)")
+        out = self.model(input_ids=tokens, position_ids=pos, attention_mask=mask, output_hidden_states=True)
+        return out.logits, list(out.hidden_states)
+
+
+def target_features(target: nn.Module, tokens: torch.Tensor, pos: torch.Tensor, mask: Mask, topk: int
+                    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What a target thread sends to the drafters: fused low/mid/high hidden states ``[B, S, 3H]`` and the top-k
+    of the next-token logits (values, indices; ``indices[..., 0]`` is the greedy token). ``topk = vocab`` is exact."""
+    logits, hidden = target(tokens, pos, mask)
+    lo, mid, hi = hidden_layer_ids(target.num_layers)
+    fused = torch.cat([hidden[lo], hidden[mid], hidden[hi]], dim=-1)
+    vals, idx = torch.topk(logits.float(), topk, dim=-1)
+    return fused, vals, idx
+
+
+# ---------------------------------------------------------------------------------------------------- drafter
+@dataclass
+class DrafterConfig:
+    vocab_size: int
+    dim: int
+    heads: int
+    ffn: int
+    ttt_steps: int = 3
+
+
+class Drafter(nn.Module):
+    """EAGLE-3 drafter: one decoder layer on top of [token embedding ; fused target features].
+
+    The embedding and LM head are frozen copies of the target's (buffers, so they are neither trained, reduced nor
+    checkpointed). ``step`` is one TTT step: it appends its keys/values to ``cache`` so later steps can see them on
+    the diagonal (see masks.ttt_mod).
+    """
+
+    def __init__(self, cfg: DrafterConfig, embed: torch.Tensor, lm_head: torch.Tensor) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.register_buffer("embed", embed.detach().clone().float(), persistent=False)
+        self.register_buffer("lm_head", lm_head.detach().clone().float(), persistent=False)
+        self.fuse = nn.Linear(3 * cfg.dim, cfg.dim, bias=False)
+        self.emb_norm = RMSNorm(cfg.dim)
+        self.hid_norm = RMSNorm(cfg.dim)
+        self.attn = Attention(2 * cfg.dim, cfg.dim, cfg.heads)
+        self.mlp_norm = RMSNorm(cfg.dim)
+        self.mlp = SwiGLU(cfg.dim, cfg.ffn)
+        self.final_norm = RMSNorm(cfg.dim)
+
+    def step(self, hidden: torch.Tensor, tokens: torch.Tensor, pos: torch.Tensor, mask: Mask,
+             cache: List[Tuple[torch.Tensor, torch.Tensor]]) -> Tuple[torch.Tensor, torch.Tensor]:
+        """hidden ``[B, S, H]`` (fused target features at step 0, own outputs later), tokens ``[B, S]`` (the token
+        after each position at this step) -> (new hidden, logits)."""
+        x = torch.cat([self.emb_norm(F.embedding(tokens, self.embed)), self.hid_norm(hidden)], dim=-1)
+        q, k, v = self.attn.project(x, pos)
+        cache.append((k, v))
+        keys = torch.cat([c[0] for c in cache], dim=2)
+        values = torch.cat([c[1] for c in cache], dim=2)
+        h = hidden + self.attn.merge(attention(q, keys, values, mask))
+        h = h + self.mlp(self.mlp_norm(h))
+        logits = F.linear(self.final_norm(h), self.lm_head)
+        return h, logits
+
+
+def shift_left(x: torch.Tensor, n: int, fill: int = 0) -> torch.Tensor:
+    """``x[:, t + n]`` at position t (padded with ``fill`` past the end); static shapes for compile."""
+    pad = torch.full_like(x[:, :n], fill)
+    return torch.cat([x[:, n:], pad], dim=1)
+
+
+def ttt_valid(doc: torch.Tensor, i: int) -> torch.Tensor:
+    """Positions t whose TTT-step-i label (target prediction at t + 1 + i) exists and lies in t's document."""
+    nxt = shift_left(doc, 1 + i, fill=-1)
+    return nxt == doc
+
+
+def ttt_loss(drafter: Drafter, fused: torch.Tensor, tokens: torch.Tensor, pos: torch.Tensor, doc: torch.Tensor,
+             tgt_vals: torch.Tensor, tgt_idx: torch.Tensor, masks: Sequence[Mask], step_decay: float = 0.8
+             ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Training-time-test loss, unrolled over ``len(masks)`` steps (teacher-forced tokens, own hidden states).
+
+    Step i at position t reads token ``x[t+1+i]`` and predicts the target's next-token distribution at position
+    ``t+1+i`` (soft cross-entropy on the target's top-k, renormalised). Step losses are weighted ``decay**i``.
+    Returns (loss, per-step accuracy of argmax against the target's greedy token).
+    """
+    hidden = drafter.fuse(fused)
+    cache: List[Tuple[torch.Tensor, torch.Tensor]] = []
+    total = fused.new_zeros(())
+    weights = 0.0
+    accs = []
+    for i, mask in enumerate(masks):
+        hidden, logits = drafter.step(hidden, shift_left(tokens, 1 + i), pos + i, mask, cache)
+        vals, idx = shift_left(tgt_vals, 1 + i), shift_left(tgt_idx, 1 + i)
+        valid = ttt_valid(doc, i).float()
+        count = valid.sum().clamp_min(1.0)
+        logq = torch.log_softmax(logits.float(), dim=-1).gather(-1, idx)
+        ce = -(torch.softmax(vals, dim=-1) * logq).sum(-1)
+        w = step_decay ** i
+        total = total + w * (ce * valid).sum() / count
+        weights += w
+        accs.append(((logits.argmax(-1) == idx[..., 0]).float() * valid).sum() / count)
+    return total / weights, torch.stack(accs)
+
+
+@torch.no_grad()
+def draft_greedy(drafter: Drafter, fused: torch.Tensor, tokens: torch.Tensor, pos: torch.Tensor,
+                 masks: Sequence[Mask]) -> torch.Tensor:
+    """Autoregressive drafting at every position at once: step 0 reads the real next token, step i>0 reads the
+    drafter's own step-(i-1) proposal. Returns proposals ``[k, B, S]``; proposal i at t is for position t+2+i."""
+    hidden = drafter.fuse(fused)
+    cache: List[Tuple[torch.Tensor, torch.Tensor]] = []
+    tok = shift_left(tokens, 1)
+    out = []
+    for i, mask in enumerate(masks):
+        hidden, logits = drafter.step(hidden, tok, pos + i, mask, cache)
+        tok = logits.argmax(-1)
+        out.append(tok)
+    return torch.stack(out)

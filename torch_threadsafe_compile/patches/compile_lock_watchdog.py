@@ -1,0 +1,76 @@
+"""H4 (detector) — make waits on dynamo's ``compile_lock`` observable.
+
+Wraps ``torch._dynamo.convert_frame.compile_lock`` in an :class:`~torch_threadsafe_compile.watchdog.InstrumentedRLock`
+that records waiting threads (the underlying RLock is kept, so code that captured it still excludes
+correctly). With ``TTC_WATCHDOG=<seconds>`` or ``torch_threadsafe_compile.watchdog.start(s)`` a watchdog
+dumps every stack when a wait exceeds the bound. This is the only defence on versions where the lock-order
+inversion exists but ``lazy_backward`` cannot apply (torch 2.9: no ``force_non_lazy_backward_lowering``).
+
+Every module that takes the lock reads ``convert_frame.compile_lock`` at call time (``with compile_lock``
+in convert_frame.py reads the module global; compile_fx imports it inside the function), so they all see
+the wrapper.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from typing import Any
+
+from torch_threadsafe_compile import watchdog
+from torch_threadsafe_compile._patching import Changes
+from torch_threadsafe_compile.registry import PatchSpec
+
+SPEC = PatchSpec(
+    id="compile_lock_watchdog",
+    hazard="H4",
+    summary="record waits on dynamo's compile_lock; TTC_WATCHDOG=<s> dumps stacks when one exceeds the bound",
+    upstream="compile_fx_backward takes compile_lock (torch 2.9+); see lazy_backward",
+    torch_versions=">=2.4",
+    modules=("torch._dynamo.convert_frame",),
+    tested="2.4.1 … 2.15.0",
+)
+
+_RLOCK_TYPE = type(threading.RLock())
+
+
+def _cf() -> Any:
+    return sys.modules["torch._dynamo.convert_frame"]
+
+
+def check() -> str | None:
+    lock = getattr(_cf(), "compile_lock", None)
+    if lock is None:
+        return "torch._dynamo.convert_frame.compile_lock not found"
+    if not isinstance(lock, (_RLOCK_TYPE, watchdog.InstrumentedRLock)):
+        return f"compile_lock is a {type(lock).__name__}, expected an RLock"
+    return None
+
+
+def apply(changes: Changes) -> dict[str, Any]:
+    cf = _cf()
+    inner = cf.compile_lock
+    if isinstance(inner, watchdog.InstrumentedRLock):
+        inner = inner._inner
+    lock = watchdog.InstrumentedRLock(inner)
+    changes.setattr(cf, "compile_lock", lock)
+    watchdog._register_lock(lock)
+    changes.on_revert(lambda: watchdog._lock_ref.clear())
+
+    from torch_threadsafe_compile._env import read_settings
+
+    seconds = read_settings().watchdog_s
+    if seconds:
+        watchdog.start(seconds)
+    return {}
+
+
+def verify() -> None:
+    lock = _cf().compile_lock
+    with lock:
+        with lock:  # re-entrant
+            pass
+
+
+def report() -> dict[str, Any]:
+    return {"watchdog_running": watchdog.running(), "hangs_detected": len(watchdog.hangs)}

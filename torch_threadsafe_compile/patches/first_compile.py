@@ -1,0 +1,227 @@
+"""H3 — one compile per guard set, however many threads arrive at once.
+
+Upstream, dynamo's frame callback runs on every cache miss and queues on the global ``compile_lock``;
+a thread that waited there does not look again at the cache once it gets the lock, so N threads making
+the same first call compile the same graph N times (measured: 8 threads → 8 compiles on an H200), and
+past ``recompile_limit`` the rest run *uncompiled* with an "Unexpected recompilation" warning — for
+flex_attention, the unfused O(S²) path.
+
+This patch makes the waiting threads look again:
+
+* ``torch.compile()`` (every ``_TorchDynamoContext.__call__`` that returns dynamo's ``compile_wrapper``,
+  so ``torch.compile(module)``, ``module.compile()``, decorators and torch's own internal compiles) gets
+  a thin, transparent *gate* around the wrapper (``functools.wraps``: same name, signature,
+  ``__wrapped__``, dynamo attributes). Warm calls never reach the callback, so their only cost is the
+  gate's Python call;
+* the frame callback (``convert_frame.CatchErrorsWrapper.__call__``, patched on the class so callbacks
+  built before activation are covered) recognises the *top* frame of a gated call — the frame whose
+  caller is ``compile_wrapper`` called by the gate. For it, it takes ``compile_lock`` first and then
+  checks the guards of the cache entries that exist *now*; if one passes, another thread compiled what
+  this one needs while it waited, so it raises a private retry signal instead of compiling. The frame has
+  not started executing, so the gate simply calls again and dynamo's C lookup now hits;
+* a gated call retries at most ``MAX_RETRIES`` times, then compiles as upstream would (a safety net for
+  entries whose guards pass but that dynamo will not use, e.g. another backend's);
+* inner frames (graph-break continuations, functions called from compiled code) cannot be retried that
+  way; they are serialized by ``compile_lock`` as upstream.
+
+No new lock is introduced (``compile_lock`` is dynamo's own RLock, taken a few lines earlier than
+upstream), so no new lock-order can deadlock. A compile that raises releases the lock on the way out and
+the error reaches that caller; the waiting threads then find no matching entry and compile themselves
+(each gets the same error if it is deterministic). ``KeyboardInterrupt``/``SystemExit`` unwind the same way.
+
+Functions compiled *before* an explicit ``install()`` have no gate: they keep upstream behaviour for H3.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import threading
+import time
+import types
+from typing import Any, Callable
+
+from torch_threadsafe_compile._patching import Changes, TargetMismatch
+from torch_threadsafe_compile.registry import PatchSpec
+
+SPEC = PatchSpec(
+    id="first_compile",
+    hazard="H3",
+    summary="threads that need the same graph wait for one compile instead of compiling it again",
+    upstream="dynamo compile_lock only queues compiles; recompile_limit then falls back to eager",
+    torch_versions=">=2.6",
+    modules=("torch._dynamo.eval_frame", "torch._dynamo.convert_frame"),
+    after=("compile_lock_watchdog",),
+    tested="2.11.0, 2.13.0",
+)
+
+MAX_RETRIES = 3
+
+
+class _Retry(BaseException):
+    """Private signal from the frame callback to the gate: the cache now has what this call needs.
+
+    A BaseException so that no ``except Exception`` between the callback and the gate swallows it.
+    """
+
+
+def _find_nested_code(owner: type, names: tuple[str, ...]) -> types.CodeType | None:
+    """The code object of the wrapper function that ``_TorchDynamoContext.__call__`` creates."""
+    for attr in ("__call__", "_call", "_get_compile_wrapper"):
+        fn = owner.__dict__.get(attr)
+        code = getattr(fn, "__code__", None)
+        stack = [code] if code is not None else []
+        while stack:
+            c = stack.pop()
+            for const in c.co_consts:
+                if isinstance(const, types.CodeType):
+                    if const.co_name in names:
+                        return const
+                    stack.append(const)
+    return None
+
+
+class _Stats:
+    """Per compiled code object: compiles, calls served by another thread's compile, waits."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.by_code: dict[str, dict[str, Any]] = {}
+
+    @staticmethod
+    def key(code: types.CodeType) -> str:
+        return f"{code.co_name} ({os.path.basename(code.co_filename)}:{code.co_firstlineno})"
+
+    def record(self, code: types.CodeType, what: str, waited: float) -> None:
+        with self._lock:
+            row = self.by_code.setdefault(
+                self.key(code), {"compiles": 0, "served_by_other_thread": 0, "waits": 0, "wait_s_total": 0.0, "wait_s_max": 0.0}
+            )
+            row[what] += 1
+            if waited > 1e-3:
+                row["waits"] += 1
+                row["wait_s_total"] = round(row["wait_s_total"] + waited, 4)
+                row["wait_s_max"] = round(max(row["wait_s_max"], waited), 4)
+
+
+stats = _Stats()
+_state: dict[str, Any] = {}
+
+
+def _modules() -> tuple[Any, Any]:
+    return sys.modules["torch._dynamo.eval_frame"], sys.modules["torch._dynamo.convert_frame"]
+
+
+def _entry_checker(entry: Any) -> Callable[[dict[str, Any]], Any] | None:
+    gm = getattr(entry, "guard_manager", None)
+    if gm is not None and hasattr(gm, "check"):
+        return gm.check
+    fn = getattr(entry, "check_fn", None)
+    return fn if callable(fn) else None
+
+
+def check() -> str | None:
+    ef, cf = _modules()
+    ctx = getattr(ef, "_TorchDynamoContext", None)
+    if ctx is None or "__call__" not in ctx.__dict__:
+        return "eval_frame._TorchDynamoContext.__call__ not found"
+    if _find_nested_code(ctx, ("compile_wrapper", "_fn")) is None:
+        return "dynamo's compile_wrapper code object not found"
+    cew = getattr(cf, "CatchErrorsWrapper", None)
+    if not isinstance(cew, type) or "__call__" not in cew.__dict__:
+        return "convert_frame.CatchErrorsWrapper class not found (frame callback is a closure here)"
+    import inspect
+
+    params = list(inspect.signature(cew.__dict__["__call__"]).parameters)
+    if params[:4] != ["self", "frame", "cache_entry", "frame_state"]:
+        return f"CatchErrorsWrapper.__call__{tuple(params)} has an unexpected signature"
+    if not hasattr(getattr(sys.modules.get("torch._C._dynamo.eval_frame"), "_debug_get_cache_entry_list", None), "__call__"):
+        return "torch._C._dynamo.eval_frame._debug_get_cache_entry_list not found"
+    return None
+
+
+def apply(changes: Changes) -> dict[str, Any]:
+    ef, cf = _modules()
+    ctx_cls = ef._TorchDynamoContext
+    cw_code = _find_nested_code(ctx_cls, ("compile_wrapper", "_fn"))
+    get_entries = sys.modules["torch._C._dynamo.eval_frame"]._debug_get_cache_entry_list
+    orig_ctx_call = ctx_cls.__dict__["__call__"]
+    orig_cb_call = cf.CatchErrorsWrapper.__dict__["__call__"]
+
+    def make_gate(compile_wrapper: Callable[..., Any]) -> Callable[..., Any]:
+        def ttc_gate(*args: Any, **kwargs: Any) -> Any:
+            attempt = 0  # read by the frame callback through this frame's locals
+            while True:
+                try:
+                    return compile_wrapper(*args, **kwargs)
+                except _Retry:
+                    attempt += 1
+
+        functools.update_wrapper(ttc_gate, compile_wrapper)
+        ttc_gate._ttc_gate = True  # type: ignore[attr-defined]
+        return ttc_gate
+
+    gate_code = make_gate(lambda: None).__code__
+
+    @functools.wraps(orig_ctx_call)
+    def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = orig_ctx_call(self, *args, **kwargs)
+        if getattr(result, "__code__", None) is cw_code:
+            return make_gate(result)
+        return result
+
+    def matching_entry(frame: Any) -> bool:
+        f_locals = frame.f_locals
+        for entry in get_entries(frame.f_code):
+            check_fn = _entry_checker(entry)
+            if check_fn is not None:
+                try:
+                    if check_fn(f_locals):
+                        return True
+                except Exception:
+                    continue
+        return False
+
+    @functools.wraps(orig_cb_call)
+    def callback_call(self: Any, frame: Any, cache_entry: Any, frame_state: Any, *rest: Any, **kw: Any) -> Any:
+        caller = sys._getframe(1)
+        outer = caller.f_back if caller.f_code is cw_code else None
+        if outer is None or outer.f_code is not gate_code:
+            # Not the top frame of a gated call: upstream behaviour.
+            return orig_cb_call(self, frame, cache_entry, frame_state, *rest, **kw)
+        code = frame.f_code
+        t0 = time.perf_counter()
+        with cf.compile_lock:  # read at call time: compile_lock_watchdog may have wrapped it
+            waited = time.perf_counter() - t0
+            if outer.f_locals.get("attempt", MAX_RETRIES) < MAX_RETRIES and matching_entry(frame):
+                stats.record(code, "served_by_other_thread", waited)
+                raise _Retry()
+            result = orig_cb_call(self, frame, cache_entry, frame_state, *rest, **kw)
+        if getattr(result, "guarded_code", result) is not None:
+            stats.record(code, "compiles", waited)
+        return result
+
+    changes.setattr(ctx_cls, "__call__", __call__)
+    changes.setattr(cf.CatchErrorsWrapper, "__call__", callback_call)
+    _state.update(cw_code=cw_code, gate_code=gate_code)
+    return {}
+
+
+def verify() -> None:
+    """Wrapping (not calling) a function must give a transparent gate around dynamo's wrapper."""
+    import torch
+
+    def probe(x: Any) -> Any:
+        return x
+
+    gated = torch.compile(probe, backend="eager")
+    if not getattr(gated, "_ttc_gate", False):
+        raise AssertionError("torch.compile() did not return a gate")
+    if gated.__name__ != "probe" or getattr(gated.__wrapped__, "__code__", None) is not _state["cw_code"]:
+        raise AssertionError("the gate is not transparent")
+
+
+def report() -> dict[str, Any]:
+    with stats._lock:
+        return {k: dict(v) for k, v in stats.by_code.items()}

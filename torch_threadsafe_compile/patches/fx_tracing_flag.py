@@ -1,0 +1,107 @@
+"""H1 — the FX tracing flag becomes per-thread.
+
+Upstream (torch ≤ 2.13) keeps ``torch.fx._symbolic_trace._is_fx_tracing_flag`` as one module global.
+``Tracer.trace`` sets it for the whole trace, and AOTAutograd's ``make_fx`` traces through ``Tracer.trace``,
+so while *one* thread compiles with backward, every *other* thread that calls a compiled function gets
+``RuntimeError: Detected that you are using FX to symbolically trace a dynamo-optimized function``
+(or, with ``error_on_nested_fx_trace=False``, silently runs it uncompiled). Upstream made the flag
+thread-local in 2.14 (``_is_fx_tracing_tls``); this patch backports that behaviour.
+
+How:
+
+* the readers ``is_fx_tracing`` / ``is_fx_symbolic_tracing`` keep their function *objects*; only their code
+  is swapped for a copy that reads a thread-local. ``torch.compile()`` wrappers made before we ran hold a
+  copy of ``is_fx_symbolic_tracing`` (2.9+; ``is_fx_tracing`` before), dynamo's tables are keyed by these
+  functions, and ``torch.export.unflatten`` imports one by name: all keep working and all see the fix;
+* ``module._is_fx_tracing_flag`` reads/writes from other modules (``_set_compilation_env`` of eager
+  higher-order ops, H5) go to the calling thread's value through a property on the module's class;
+* ``Tracer.trace`` (and so ``symbolic_trace``, ``make_fx``, export) sets the calling thread's flag.
+
+The legitimate same-thread error — ``fx.symbolic_trace`` of a module that calls a compiled function — stays.
+Upstream: pytorch/pytorch#142969-style reports of the false error; thread-local flag landed in 2.14.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from typing import Any
+
+from torch_threadsafe_compile._patching import Changes, TargetMismatch, run_in_thread, thread_local_global
+from torch_threadsafe_compile.registry import PatchSpec
+
+SPEC = PatchSpec(
+    id="fx_tracing_flag",
+    hazard="H1",
+    summary="FX tracing flag per thread: no false 'symbolically trace a dynamo-optimized function' errors",
+    upstream="https://github.com/pytorch/pytorch/issues/ (global _is_fx_tracing_flag; thread-local from 2.14)",
+    torch_versions=">=2.4,<2.14",
+    fixed_in="2.14",
+    modules=("torch.fx._symbolic_trace",),
+    tested="2.4.1, 2.6.0, 2.9.1, 2.11.0, 2.12.1, 2.13.0",
+)
+
+FLAG = "_is_fx_tracing_flag"
+READERS = ("is_fx_tracing", "is_fx_symbolic_tracing")
+
+_tls: Any = None
+
+
+def _module() -> Any:
+    return sys.modules["torch.fx._symbolic_trace"]
+
+
+def check() -> str | None:
+    mod = _module()
+    if FLAG not in mod.__dict__:
+        return f"torch.fx._symbolic_trace.{FLAG} not found"
+    if not callable(getattr(mod, "is_fx_tracing", None)):
+        return "torch.fx._symbolic_trace.is_fx_tracing not found"
+    if not callable(getattr(getattr(mod, "Tracer", None), "trace", None)):
+        return "torch.fx.Tracer.trace not found"
+    return None
+
+
+def apply(changes: Changes) -> dict[str, Any]:
+    global _tls
+    mod = _module()
+    readers = [getattr(mod, n) for n in READERS if callable(getattr(mod, n, None))]
+    if mod.__dict__[FLAG] is not False:
+        # Activation normally happens before anything traces; if a trace is running right now, the global
+        # is True and would become every new thread's default.
+        raise TargetMismatch(f"{FLAG} is set (a trace is in progress); install() again when idle")
+    tls = thread_local_global(changes, mod, FLAG, readers)
+
+    original_trace = mod.Tracer.__dict__["trace"]
+
+    @functools.wraps(original_trace)
+    def trace(self: Any, *args: Any, **kwargs: Any) -> Any:
+        # Sets the calling thread's flag; the original still writes the (now unread) module global.
+        old = tls.value
+        tls.value = True
+        try:
+            return original_trace(self, *args, **kwargs)
+        finally:
+            tls.value = old
+
+    changes.setattr(mod.Tracer, "trace", trace)
+    _tls = tls
+    return {"readers": [f.__name__ for f in readers]}
+
+
+def verify() -> None:
+    mod = _module()
+    tls = mod.__dict__["_ttc_tls_is_fx_tracing_flag"]
+    old = tls.value
+    # is_fx_tracing() logs a one-time warning upstream; prefer the reader that does not.
+    reader = getattr(mod, "is_fx_symbolic_tracing", None) or mod.is_fx_tracing
+    tls.value = True
+    try:
+        if not reader():
+            raise AssertionError(f"{reader.__name__}() does not see this thread's flag")
+        if run_in_thread(reader):
+            raise AssertionError("another thread sees this thread's FX tracing flag")
+        if getattr(mod, FLAG) is not True:
+            raise AssertionError("module attribute does not read the thread's flag")
+    finally:
+        tls.value = old

@@ -1,0 +1,131 @@
+"""Hang detector for dynamo's compile lock (H4 and anything like it).
+
+``TTC_WATCHDOG=<seconds>`` (or :func:`start`) runs one daemon thread that looks, about four times per
+bound, at the threads waiting for dynamo's ``compile_lock`` (the ``compile_lock_watchdog`` patch counts
+them). When one has waited longer than the bound, it writes every thread's stack to stderr once per
+episode, with a message naming the likely hazard, and calls ``on_hang`` callbacks (tests use them to fail
+fast instead of hanging). It never kills or unblocks anything: it only makes a silent hang visible.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import sys
+import threading
+import time
+from typing import Callable
+
+__all__ = ["InstrumentedRLock", "start", "stop", "running", "hangs"]
+
+HINT = (
+    "likely H4: a thread holds dynamo's compile_lock while it needs the autograd engine, and the engine's "
+    "worker waits for compile_lock in a lazy backward compile (see docs/hazards.md, H4)"
+)
+
+
+class InstrumentedRLock:
+    """A re-entrant lock that wraps an existing ``threading.RLock`` and records who waits for it.
+
+    It wraps rather than replaces, so code that captured the original lock still excludes correctly.
+    The uncontended path is one non-blocking acquire.
+    """
+
+    def __init__(self, inner: "threading.RLock") -> None:
+        self._inner = inner
+        self.waiting: dict[int, float] = {}  # thread ident -> monotonic time it started waiting
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        if self._inner.acquire(False):
+            return True
+        if not blocking:
+            return False
+        me = threading.get_ident()
+        self.waiting[me] = time.monotonic()
+        try:
+            return self._inner.acquire(True, timeout)
+        finally:
+            self.waiting.pop(me, None)
+
+    def release(self) -> None:
+        self._inner.release()
+
+    def __enter__(self) -> bool:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self._inner.release()
+
+    def _is_owned(self) -> bool:  # used by threading.Condition
+        return self._inner._is_owned()  # type: ignore[attr-defined]
+
+    def __repr__(self) -> str:
+        return f"<InstrumentedRLock {self._inner!r} waiting={len(self.waiting)}>"
+
+
+_lock_ref: list[InstrumentedRLock] = []
+_thread: threading.Thread | None = None
+_stop = threading.Event()
+_callbacks: list[Callable[[str], None]] = []
+hangs: list[str] = []  # messages of the episodes detected in this process
+
+
+def _register_lock(lock: InstrumentedRLock) -> None:
+    _lock_ref[:] = [lock]
+
+
+def running() -> bool:
+    return _thread is not None and _thread.is_alive()
+
+
+def start(seconds: float, on_hang: Callable[[str], None] | None = None) -> None:
+    """Start (or re-arm) the watchdog with a bound in seconds."""
+    global _thread
+    if not seconds > 0:
+        raise ValueError("seconds must be > 0")
+    if on_hang is not None:
+        _callbacks.append(on_hang)
+    if running():
+        return
+    _stop.clear()
+    _thread = threading.Thread(target=_run, args=(float(seconds),), name="ttc-watchdog", daemon=True)
+    _thread.start()
+
+
+def stop() -> None:
+    global _thread
+    _stop.set()
+    if _thread is not None:
+        _thread.join(5)
+    _thread = None
+    _callbacks.clear()
+
+
+def _run(bound: float) -> None:
+    reported = False
+    while not _stop.wait(min(1.0, bound / 4)):
+        lock = _lock_ref[0] if _lock_ref else None
+        if lock is None:
+            continue
+        now = time.monotonic()
+        stuck = {t: now - s for t, s in list(lock.waiting.items()) if now - s > bound}
+        if not stuck:
+            reported = False
+            continue
+        if reported:
+            continue
+        reported = True
+        names = {t.ident: t.name for t in threading.enumerate()}
+        who = ", ".join(f"{names.get(t, t)} ({w:.0f} s)" for t, w in stuck.items())
+        msg = f"torch-threadsafe-compile watchdog: waiting for dynamo's compile_lock longer than {bound:g} s: {who}; {HINT}"
+        hangs.append(msg)
+        try:
+            sys.stderr.write(msg + "\n")
+            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+            sys.stderr.flush()
+        except Exception:
+            pass
+        for cb in list(_callbacks):
+            try:
+                cb(msg)
+            except Exception:
+                pass
