@@ -168,3 +168,8 @@ def deactivate() -> None:
             pass
     _finder = None
     mode = None
+
+
+def activate_start() -> None:
+    """Entry point named in ``torch_threadsafe_compile.start`` (PEP 829)."""
+    activate("pth")

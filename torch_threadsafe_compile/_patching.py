@@ -51,6 +51,12 @@ class Changes:
         _journal_index[key] = (obj, attr, original, new, self.patch_id)
 
         def undo() -> None:
+            current = _raw_get(obj, attr)
+            if current is not new:
+                # Somebody re-wrapped or replaced our object since (e.g. dynamo wraps functions with
+                # `disable`). Putting our original back would silently drop their change: leave it.
+                _journal_index.pop(key, None)
+                raise TargetMismatch(f"{_name(obj)}.{attr} was replaced by another patcher; left in place")
             if original is _MISSING:
                 try:
                     delattr(obj, attr)
@@ -202,6 +208,16 @@ def rewrite_global_reads(func: types.FunctionType, name: str, tls_name: str) -> 
     for a in (fdef.args.vararg, fdef.args.kwarg):
         if a is not None:
             a.annotation = None
+    mangled = {
+        n.attr if isinstance(n, ast.Attribute) else n.id
+        for n in ast.walk(fdef)
+        if isinstance(n, (ast.Attribute, ast.Name))
+        and (n.attr if isinstance(n, ast.Attribute) else n.id).startswith("__")
+        and not (n.attr if isinstance(n, ast.Attribute) else n.id).endswith("__")
+    }
+    if mangled or "super" in {n.id for n in ast.walk(fdef) if isinstance(n, ast.Name)}:
+        # Compiled outside its class, the copy would lose name mangling / the __class__ cell.
+        raise TargetMismatch(f"{func.__qualname__} uses {sorted(mangled) or ['super()']}: cannot be recompiled")
     renamer = _RenameGlobal(name, tls_name)
     renamer.visit(fdef)
     if not renamer.hits:

@@ -109,6 +109,14 @@ class ByteTokenizer:
         return [b + 1 for b in text.encode("utf-8")]
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
+def has_tokenizer(path: Optional[str]) -> bool:
+    """Whether a model directory ships a tokenizer (a bare checkpoint falls back to bytes)."""
+    return bool(path) and any((Path(path) / f).exists() for f in TOKENIZER_FILES)
+
+
 def load_tokenizer(path: Optional[str]):
     """A Hugging Face tokenizer from a local path (transformers imported lazily), or the byte-level fallback."""
     if not path:

@@ -85,7 +85,7 @@ class TargetConfig:
     heads: int = 4
     ffn: int = 256
     seed: int = 0
-    prior_strength: float = 2.0  # weight of the frozen bigram prior in the logits (0 disables it)
+    prior_strength: float = 0.5  # weight of the frozen bigram prior in the logits (0 disables it)
 
 
 class Attention(nn.Module):

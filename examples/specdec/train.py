@@ -90,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--target-layers", type=int)
     g.add_argument("--target-heads", type=int)
     g.add_argument("--target-ffn", type=int)
-    g.add_argument("--prior-strength", type=float, default=2.0,
+    g.add_argument("--prior-strength", type=float, default=0.5,
                    help="weight of the synthetic chain's bigram prior in the built-in target's logits (0: off)")
     g.add_argument("--target-topk", type=int, default=0,
                    help="target logits sent to drafters: top-k (0 = full vocabulary)")
@@ -129,6 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--hang-timeout", type=float, default=900.0,
                    help="no drafter step for this long (s) = hang: dump all thread stacks, exit 3")
     g.add_argument("--dist-timeout", type=float, default=1800.0, help="torch.distributed timeout (s)")
+    g.add_argument("--inject-fault", metavar="KIND:THREAD:STEP",
+                   help="testing aid: 'error' or 'hang' in thread kind 'target'/'drafter' (index 0) at STEP")
     g.add_argument("--dry-run", action="store_true", help="print the resolved configuration and exit")
     return p
 
@@ -267,7 +269,7 @@ def worker(run: Run, name: str, fn: Callable[[], None]) -> threading.Thread:
 # ------------------------------------------------------------------------------------------------- set-up
 def build_data(args: argparse.Namespace):
     if args.data:
-        tok = data_mod.load_tokenizer(args.tokenizer or args.target_hf)
+        tok = data_mod.load_tokenizer(args.tokenizer or (args.target_hf if data_mod.has_tokenizer(args.target_hf) else None))
         return data_mod.TextData(args.data, tok, args.batch_size, args.seq_len, seed=args.seed)
     return data_mod.MarkovData(args.vocab_size, args.batch_size, args.seq_len, seed=args.seed)
 
@@ -339,6 +341,18 @@ def lr_at(args: argparse.Namespace, step: int) -> float:
         return args.lr * (step + 1) / args.warmup
     frac = (step - args.warmup) / max(1, args.steps - args.warmup)
     return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
+
+
+def inject_fault(args: argparse.Namespace, thread: str, step: int) -> None:
+    """``--inject-fault``: fail or hang on purpose, to exercise shutdown and the hang watchdog."""
+    if not args.inject_fault:
+        return
+    kind, where, at = args.inject_fault.split(":")
+    if where == thread and int(at) == step:
+        if kind == "error":
+            raise RuntimeError(f"injected fault in {thread} thread at step {step}")
+        while True:  # a hang that ignores the stop event, like a real deadlock would
+            time.sleep(1.0)
 
 
 # ------------------------------------------------------------------------------------------------ training
@@ -425,6 +439,8 @@ def train(args: argparse.Namespace) -> int:
         n = start_step * D + (j - start_step * D) % T  # local batch numbers n ≡ j (mod T), in increasing order
         while n < args.steps * D:
             s, d = divmod(n, D)
+            if j == 0:
+                inject_fault(args, "target", s)
             batch = data.batch((s * world + rank) * D + d).to(dev)  # global batch index: pure function of step
             mask = masks.target_mask(batch.doc)
 
@@ -466,6 +482,8 @@ def train(args: argparse.Namespace) -> int:
         pending: Dict[int, Tuple] = {}
         for s in range(start_step, args.steps):
             n = s * D + d
+            if d == 0:
+                inject_fault(args, "drafter", s)
             while n not in pending:
                 got_n, item = run.get(queues[d])
                 pending[got_n] = item

@@ -50,7 +50,7 @@ SPEC = PatchSpec(
     hazard="H3",
     summary="threads that need the same graph wait for one compile instead of compiling it again",
     upstream="dynamo compile_lock only queues compiles; recompile_limit then falls back to eager",
-    torch_versions=">=2.6",
+    torch_versions=">=2.4",
     modules=("torch._dynamo.eval_frame", "torch._dynamo.convert_frame"),
     after=("compile_lock_watchdog",),
     tested="2.11.0, 2.13.0",
@@ -117,7 +117,9 @@ def _entry_checker(entry: Any) -> Callable[[dict[str, Any]], Any] | None:
     gm = getattr(entry, "guard_manager", None)
     if gm is not None and hasattr(gm, "check"):
         return gm.check
-    fn = getattr(entry, "check_fn", None)
+    fn = getattr(entry, "check_fn", None)  # torch 2.4/2.5: a GuardManager wrapper with .check, or a callable
+    if fn is not None and hasattr(fn, "check"):
+        return fn.check
     return fn if callable(fn) else None
 
 

@@ -15,7 +15,9 @@ How:
   functions, and ``torch.export.unflatten`` imports one by name: all keep working and all see the fix;
 * ``module._is_fx_tracing_flag`` reads/writes from other modules (``_set_compilation_env`` of eager
   higher-order ops, H5) go to the calling thread's value through a property on the module's class;
-* ``Tracer.trace`` (and so ``symbolic_trace``, ``make_fx``, export) sets the calling thread's flag.
+* ``Tracer.trace`` (and so ``symbolic_trace``, ``make_fx``, export) sets the calling thread's flag: its code
+  is rewritten the same way (its ``global`` statement dropped), so the function object that dynamo wraps
+  with ``disable`` on import stays the one that runs.
 
 The legitimate same-thread error — ``fx.symbolic_trace`` of a module that calls a compiled function — stays.
 Upstream: pytorch/pytorch#142969-style reports of the false error; thread-local flag landed in 2.14.
@@ -23,7 +25,6 @@ Upstream: pytorch/pytorch#142969-style reports of the false error; thread-local 
 
 from __future__ import annotations
 
-import functools
 import sys
 from typing import Any
 
@@ -51,6 +52,12 @@ def _module() -> Any:
     return sys.modules["torch.fx._symbolic_trace"]
 
 
+def _unwrap(fn: Any) -> Any:
+    while hasattr(fn, "__wrapped__"):
+        fn = fn.__wrapped__
+    return fn
+
+
 def check() -> str | None:
     mod = _module()
     if FLAG not in mod.__dict__:
@@ -70,21 +77,10 @@ def apply(changes: Changes) -> dict[str, Any]:
         # Activation normally happens before anything traces; if a trace is running right now, the global
         # is True and would become every new thread's default.
         raise TargetMismatch(f"{FLAG} is set (a trace is in progress); install() again when idle")
-    tls = thread_local_global(changes, mod, FLAG, readers)
-
-    original_trace = mod.Tracer.__dict__["trace"]
-
-    @functools.wraps(original_trace)
-    def trace(self: Any, *args: Any, **kwargs: Any) -> Any:
-        # Sets the calling thread's flag; the original still writes the (now unread) module global.
-        old = tls.value
-        tls.value = True
-        try:
-            return original_trace(self, *args, **kwargs)
-        finally:
-            tls.value = old
-
-    changes.setattr(mod.Tracer, "trace", trace)
+    # Tracer.trace writes the flag with a `global` statement; its code is rewritten like the readers', so the
+    # function object stays the one that dynamo later wraps with `disable` (import torch._dynamo does that).
+    trace = _unwrap(mod.Tracer.__dict__["trace"])
+    tls = thread_local_global(changes, mod, FLAG, readers + [trace])
     _tls = tls
     return {"readers": [f.__name__ for f in readers]}
 

@@ -1,0 +1,132 @@
+"""Tests of the reference trainer (examples/specdec). CPU only; each run is a subprocess with a timeout, so a
+hang fails the test instead of blocking the suite."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+TRAIN = ROOT / "examples" / "specdec" / "train.py"
+
+# A model small enough that cold compiles stay short on a 2-core machine; every test uses the same shapes, so
+# later tests reuse the inductor cache.
+TINY = ["--devices", "cpu", "--vocab-size", "64", "--target-dim", "64", "--target-layers", "2",
+        "--target-heads", "2", "--target-ffn", "128", "--batch-size", "2", "--seq-len", "64", "--ttt-steps", "2",
+        "--eval-prompts", "8", "--eval-gen-len", "24", "--log-every", "1000"]
+
+
+def clean_env(**extra: str) -> Dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("TTC_DISABLE", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(extra)
+    return env
+
+
+def run(args: List[str], timeout: float = 240, env: Optional[Dict[str, str]] = None,
+        prefix: Optional[List[str]] = None) -> Tuple[subprocess.CompletedProcess, Optional[dict]]:
+    cmd = (prefix or [sys.executable]) + [str(TRAIN)] + args
+    proc = subprocess.run(cmd, cwd=ROOT, env=env or clean_env(), capture_output=True, text=True, timeout=timeout)
+    summaries = [json.loads(line[8:]) for line in proc.stdout.splitlines() if line.startswith("SUMMARY ")]
+    return proc, (summaries[-1] if summaries else None)
+
+
+def explain(proc: subprocess.CompletedProcess) -> str:
+    return f"rc={proc.returncode}\nSTDOUT:\n{proc.stdout[-3000:]}\nSTDERR:\n{proc.stderr[-5000:]}"
+
+
+def train_records(path: Path) -> Dict[int, float]:
+    recs = [json.loads(line) for line in path.read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in recs if r["kind"] == "train"}
+
+
+def test_short_run_learns(tmp_path: Path) -> None:
+    """2 target + 2 drafter threads, inductor: the loss falls and τ rises above the untrained drafter's."""
+    proc, s = run(TINY + ["--target-threads", "2", "--drafter-threads", "2", "--steps", "80", "--lr", "1e-2",
+                          "--warmup", "5", "--eval-every", "40", "--out", str(tmp_path)])
+    assert proc.returncode == 0, explain(proc)
+    assert s["status"] == "ok" and s["steps_done"] == 80 and s["errors"]["total"] == 0
+    assert s["loss_last"] < s["loss_first"] - 0.1, s
+    assert s["tau_final"] > s["tau_initial"] + 0.3, s
+    assert s["throughput"]["target"]["tokens"] > 0 and s["throughput"]["drafter"]["tokens"] > 0
+    assert s["compile"]["unique_graphs"] >= 2
+    assert (tmp_path / "metrics.jsonl").exists() and (tmp_path / "summary.json").exists()
+
+
+def test_resume_reproduces_loss_curve(tmp_path: Path) -> None:
+    """Checkpoint at step 6 of 12; resuming from it replays steps 7..12 with the same losses."""
+    common = TINY + ["--target-threads", "2", "--drafter-threads", "2", "--steps", "12", "--eval-every", "0",
+                     "--compile-backend", "aot_eager"]
+    proc, _ = run(common + ["--save-every", "6", "--out", str(tmp_path / "a")])
+    assert proc.returncode == 0, explain(proc)
+    assert (tmp_path / "a" / "ckpt-000006" / "checkpoint.safetensors").exists()
+    proc, s = run(common + ["--resume", str(tmp_path / "a" / "ckpt-000006"), "--out", str(tmp_path / "b")])
+    assert proc.returncode == 0, explain(proc)
+    assert s["start_step"] == 6
+    a, b = train_records(tmp_path / "a" / "metrics.jsonl"), train_records(tmp_path / "b" / "metrics.jsonl")
+    assert sorted(b) == list(range(7, 13))
+    for step in b:
+        assert b[step] == pytest.approx(a[step], abs=1e-6), (step, a[step], b[step])
+
+
+def test_hf_target_checkpoint(tmp_path: Path) -> None:
+    """A tiny Llama checkpoint written here, trained on a local .txt with the byte-level tokenizer."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "llama")
+    text = "\n\n".join(f"document {i}: the quick brown fox jumps over the lazy dog {i * 7} times." for i in range(40))
+    (tmp_path / "corpus.txt").write_text(text)
+    proc, s = run(["--devices", "cpu", "--target-hf", str(tmp_path / "llama"), "--data", str(tmp_path / "corpus.txt"),
+                   "--target-threads", "1", "--drafter-threads", "1", "--steps", "4", "--batch-size", "2",
+                   "--seq-len", "64", "--ttt-steps", "2", "--eval-prompts", "4", "--eval-gen-len", "8",
+                   "--eval-every", "0", "--compile-backend", "aot_eager", "--target-topk", "16"])
+    assert proc.returncode == 0, explain(proc)
+    assert s["status"] == "ok" and s["steps_done"] == 4 and s["tau_final"] is not None
+
+
+def test_two_processes_gloo() -> None:
+    """torchrun with 2 processes on CPU: gloo all-reduce after the in-process reduction keeps replicas equal."""
+    prefix = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    proc, s = run(TINY + ["--target-threads", "1", "--drafter-threads", "1", "--steps", "4", "--eval-every", "0",
+                          "--compile-backend", "aot_eager"], prefix=prefix)
+    assert proc.returncode == 0, explain(proc)
+    assert s["world_size"] == 2 and s["status"] == "ok"
+    sums = dict(re.findall(r"PARAM_CHECKSUM rank=(\d) (\S+)", proc.stdout))
+    assert set(sums) == {"0", "1"} and sums["0"] == sums["1"], sums
+
+
+def test_no_ttc_reexecs_with_ttc_disable() -> None:
+    proc, _ = run(["--no-ttc", "--dry-run"], timeout=120)
+    assert proc.returncode == 0, explain(proc)
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["ttc_disable_env"] == "1"
+    assert out["config"]["error_policy"] == "count"  # hazards are counted, not fatal
+    proc, _ = run(["--dry-run"], timeout=120)
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["ttc_disable_env"] is None and out["config"]["error_policy"] == "raise"
+
+
+def test_worker_error_stops_cleanly() -> None:
+    """An error in one thread stops all of them, is reported with its traceback, and the exit code is 1."""
+    proc, s = run(TINY + ["--target-threads", "2", "--drafter-threads", "2", "--steps", "50", "--no-compile",
+                          "--inject-fault", "error:drafter:3"], timeout=120)
+    assert proc.returncode == 1, explain(proc)
+    assert "injected fault in drafter thread at step 3" in proc.stderr
+    assert "Traceback" in proc.stderr and s["status"] == "error"
+
+
+def test_hang_watchdog() -> None:
+    """A thread stuck forever: the watchdog dumps all stacks and exits 3 instead of blocking."""
+    proc, _ = run(TINY + ["--target-threads", "1", "--drafter-threads", "2", "--steps", "50", "--no-compile",
+                          "--inject-fault", "hang:drafter:2", "--hang-timeout", "5"], timeout=120)
+    assert proc.returncode == 3, explain(proc)
+    assert "HANG DETECTED" in proc.stderr and "drafter_loop" in proc.stderr

@@ -1,0 +1,325 @@
+"""Hazard scenarios, each run in its own interpreter and reporting one JSON line.
+
+Shared by the tests (``tests/test_hazards_*.py``), ``doctor --selftest`` and the compatibility matrix, so
+that all three measure the same thing. A scenario reports numbers, never a verdict; the caller compares
+the unpatched run (``TTC_DISABLE=1``) with the active one.
+
+    python -m torch_threadsafe_compile.scenarios NAME [key=value ...]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from typing import Any, Callable
+
+SCENARIOS: dict[str, Callable[..., dict[str, Any]]] = {}
+
+
+def scenario(fn: Callable[..., dict[str, Any]]) -> Callable[..., dict[str, Any]]:
+    SCENARIOS[fn.__name__] = fn
+    return fn
+
+
+def _maybe_late_install(late: bool) -> None:
+    """For ``late=1``: undo start-up activation now, and re-install after the caller compiled."""
+    if late:
+        import torch_threadsafe_compile as ttc
+
+        ttc.uninstall()
+
+
+@scenario
+def fx_flag_leak(compiles: int = 4, callers: int = 3, late: int = 0, backend: str = "aot_eager") -> dict[str, Any]:
+    """H1: callers hammer a warm compiled fn while one thread compiles new fns with backward."""
+    _maybe_late_install(bool(late))
+    import torch
+
+    hot = torch.compile(lambda x: (x * 2).sin(), backend=backend)
+    x0 = torch.randn(16)
+    hot(x0)
+    if late:
+        import torch_threadsafe_compile as ttc
+
+        ttc.install()  # `hot` was compiled before this call
+    errors: dict[str, int] = {}
+    calls = [0]
+    stop = threading.Event()
+
+    def caller() -> None:
+        while not stop.is_set():
+            try:
+                hot(x0)
+                calls[0] += 1
+            except Exception as e:
+                key = str(e)[:80]
+                errors[key] = errors.get(key, 0) + 1
+
+    def compiler() -> None:
+        try:
+            for j in range(compiles):
+                f = torch.compile(lambda x, j=j: (x + j).cos().sum(), backend=backend)
+                x = torch.randn(16, requires_grad=True)
+                f(x).backward()
+        finally:
+            stop.set()
+
+    ts = [threading.Thread(target=caller) for _ in range(callers)] + [threading.Thread(target=compiler)]
+    t0 = time.time()
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    return {"ok_calls": calls[0], "errors": sum(errors.values()), "kinds": list(errors)[:3], "wall_s": round(time.time() - t0, 2)}
+
+
+@scenario
+def fx_same_thread(backend: str = "aot_eager") -> dict[str, Any]:
+    """H1 control: FX-tracing a module that calls a compiled fn must still raise, in the same thread;
+    plain symbolic_trace / make_fx / export must still work."""
+    import torch
+    import torch.fx
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    inner = torch.compile(lambda x: x + 1, backend=backend)
+
+    class M(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return inner(x) * 2
+
+    out: dict[str, Any] = {}
+    try:
+        torch.fx.symbolic_trace(M())
+        out["nested_raised"] = False
+    except RuntimeError as e:
+        out["nested_raised"] = "dynamo-optimized" in str(e)
+
+    class Plain(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.relu(x) + 1
+
+    x = torch.randn(4)
+    gm = torch.fx.symbolic_trace(Plain())
+    out["symbolic_trace_ok"] = bool(torch.equal(gm(x), Plain()(x)))
+    g = make_fx(lambda t: t.sin() * 2)(x)
+    out["make_fx_ok"] = bool(torch.allclose(g(x), x.sin() * 2))
+    try:
+        ep = torch.export.export(Plain(), (x,))
+        out["export_ok"] = bool(torch.equal(ep.module()(x), Plain()(x)))
+    except Exception as e:  # export availability differs by version; report it
+        out["export_ok"] = f"{type(e).__name__}: {str(e)[:60]}"
+    return out
+
+
+@scenario
+def is_compiling_leak(seconds: float = 3.0, backend: str = "aot_eager") -> dict[str, Any]:
+    """H2: an eager thread polls torch.compiler.is_compiling() while another thread compiles."""
+    import torch
+
+    seen_in_compiler: list[bool] = []
+
+    def recording_backend(gm: Any, example_inputs: Any) -> Any:
+        seen_in_compiler.append(bool(torch.compiler.is_compiling()))
+        from torch._dynamo.backends.registry import lookup_backend
+
+        return lookup_backend(backend)(gm, example_inputs)
+
+    stop = threading.Event()
+    polls = [0, 0]
+
+    def poller() -> None:
+        is_compiling = torch.compiler.is_compiling
+        while not stop.is_set():
+            polls[0] += 1
+            if is_compiling():
+                polls[1] += 1
+
+    def compiler() -> None:
+        t_end = time.time() + seconds
+        j = 0
+        try:
+            while time.time() < t_end or j == 0:
+                f = torch.compile(lambda x, j=j: (x + j).cos().sum(), backend=recording_backend)
+                f(torch.randn(8, requires_grad=True)).backward()
+                j += 1
+        finally:
+            stop.set()
+
+    ts = [threading.Thread(target=poller), threading.Thread(target=compiler)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    return {"polls": polls[0], "true_in_eager_thread": polls[1], "compiling_thread_saw_true": all(seen_in_compiler) and bool(seen_in_compiler)}
+
+
+@scenario
+def config_threads() -> dict[str, Any]:
+    """H6: an assignment in the main thread is seen by a new thread and inside a backward compile run
+    from another thread; a config.patch in one thread is invisible to another."""
+    import torch
+    import torch._dynamo
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    name = "recompile_limit" if "recompile_limit" in torch._dynamo.config._config else "cache_size_limit"
+    default = getattr(torch._dynamo.config, name)
+    setattr(torch._dynamo.config, name, 64)  # as a user program would, in the main thread
+    out: dict[str, Any] = {"option": name, "default": default}
+    box: list[Any] = []
+    t = threading.Thread(target=lambda: box.append(getattr(torch._dynamo.config, name)))
+    t.start()
+    t.join()
+    out["new_thread_sees"] = box[0]
+
+    seen_in_bw: list[Any] = []
+
+    def fw(gm: Any, ex: Any) -> Any:
+        return make_boxed_func(gm.forward)
+
+    def bw(gm: Any, ex: Any) -> Any:
+        seen_in_bw.append(getattr(torch._dynamo.config, name))
+        return make_boxed_func(gm.forward)
+
+    f = torch.compile(lambda x: (x * 3).sin().sum(), backend=aot_autograd(fw_compiler=fw, bw_compiler=bw))
+
+    def worker() -> None:
+        f(torch.randn(8, requires_grad=True)).backward()
+
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join()
+    out["backward_compile_sees"] = seen_in_bw[0] if seen_in_bw else None
+
+    inside = threading.Event()
+    release = threading.Event()
+
+    def patcher() -> None:
+        with torch._dynamo.config.patch(**{name: 3}):
+            inside.set()
+            release.wait(10)
+
+    t = threading.Thread(target=patcher)
+    t.start()
+    inside.wait(10)
+    box.clear()
+    t2 = threading.Thread(target=lambda: box.append(getattr(torch._dynamo.config, name)))
+    t2.start()
+    t2.join()
+    out["other_thread_during_patch_sees"] = box[0]
+    out["main_during_patch_sees"] = getattr(torch._dynamo.config, name)
+    release.set()
+    t.join()
+    return out
+
+
+@scenario
+def stampede(threads: int = 8, backend: str = "aot_eager", shapes: int = 2) -> dict[str, Any]:
+    """H3: ``threads`` threads make the same first call at once, then all move to a new shape at once."""
+    import torch
+    import torch._dynamo.utils as du
+
+    f = torch.compile(lambda x: (x * 2).sin() + 1, backend=backend)
+    frame_counts: list[int] = []
+    errors: list[str] = []
+    wrong: list[int] = []
+    bar = threading.Barrier(threads)
+
+    def w() -> None:
+        for s in range(shapes):
+            x = torch.randn(16 + 8 * s)
+            bar.wait()
+            try:
+                y = f(x)
+                if not torch.allclose(y, (x * 2).sin() + 1):
+                    wrong.append(s)
+            except Exception as e:
+                errors.append(str(e)[:80])
+            bar.wait()
+            if threading.current_thread() is ts[0]:
+                frame_counts.append(int(du.counters["stats"]["unique_graphs"]))
+
+    ts = [threading.Thread(target=w) for _ in range(threads)]
+    t0 = time.time()
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    # A cache miss that produced no graph (recompile limit hit) ran the frame uncompiled.
+    frames = du.counters["frames"]
+    return {
+        "threads": threads,
+        "graphs_after_each_stampede": frame_counts,
+        "graphs": int(du.counters["stats"]["unique_graphs"]),
+        "uncompiled_frames": int(frames["total"] - frames["ok"]),
+        "errors": len(errors),
+        "wrong_results": len(wrong),
+        "wall_s": round(time.time() - t0, 2),
+    }
+
+
+@scenario
+def guard_sets(threads: int = 6, backend: str = "aot_eager") -> dict[str, Any]:
+    """H3: threads needing two different guard sets (two dtypes) → one compile per guard set."""
+    import torch
+    import torch._dynamo.utils as du
+
+    f = torch.compile(lambda x: (x * 2).cos(), backend=backend)
+    bar = threading.Barrier(threads)
+    errors: list[str] = []
+
+    def w(i: int) -> None:
+        x = torch.randn(32, dtype=torch.float32 if i % 2 == 0 else torch.float64)
+        bar.wait()
+        try:
+            f(x)
+        except Exception as e:
+            errors.append(str(e)[:80])
+
+    ts = [threading.Thread(target=w, args=(i,)) for i in range(threads)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    return {"threads": threads, "guard_sets": 2, "graphs": int(du.counters["stats"]["unique_graphs"]), "errors": len(errors)}
+
+
+def run(name: str, env: dict[str, str] | None = None, timeout: float = 300, **kwargs: Any) -> dict[str, Any]:
+    """Run scenario ``name`` in a fresh interpreter; returns its JSON result (or rc/tail/timeout)."""
+    args = [sys.executable, "-X", "faulthandler", "-m", "torch_threadsafe_compile.scenarios", name]
+    args += [f"{k}={v}" for k, v in kwargs.items()]
+    full_env = dict(os.environ)
+    full_env.update(env or {})
+    full_env.setdefault("PYTHONWARNINGS", "ignore")
+    t0 = time.time()
+    try:
+        p = subprocess.run(args, env=full_env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"timeout": True, "secs": round(time.time() - t0, 1)}
+    for line in reversed(p.stdout.splitlines()):
+        if line.startswith("RESULT "):
+            res = json.loads(line[7:])
+            res["secs"] = round(time.time() - t0, 1)
+            return res
+    return {"rc": p.returncode, "tail": (p.stderr or p.stdout)[-600:], "secs": round(time.time() - t0, 1)}
+
+
+def _main(argv: list[str]) -> int:
+    if not argv or argv[0] not in SCENARIOS:
+        print(f"usage: python -m torch_threadsafe_compile.scenarios {{{'|'.join(SCENARIOS)}}} [key=value ...]")
+        return 2
+    kwargs: dict[str, Any] = {}
+    for kv in argv[1:]:
+        k, _, v = kv.partition("=")
+        kwargs[k] = int(v) if v.lstrip("-").isdigit() else (float(v) if v.replace(".", "", 1).isdigit() else v)
+    res = SCENARIOS[argv[0]](**kwargs)
+    print("RESULT " + json.dumps(res), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))
