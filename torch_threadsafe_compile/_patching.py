@@ -70,6 +70,21 @@ class Changes:
         self._checks.append((f"{_name(obj)}.{attr}", lambda: _raw_get(obj, attr) is new))
         return original
 
+    def wrap(self, owner: Any, attr: str, wrapper: Callable[..., Any]) -> Any:
+        """Replace ``owner.attr`` by a ``wrapt.FunctionWrapper`` calling ``wrapper(wrapped, instance, args, kwargs)``.
+
+        wrapt keeps the wrapper transparent (name, signature, ``__wrapped__``, ``inspect``, descriptor binding),
+        which matters for methods that other libraries introspect. Not for hot paths that inspect frames.
+        """
+        import wrapt
+
+        original = _raw_get(owner, attr)
+        if original is _MISSING:
+            raise TargetMismatch(f"{_name(owner)}.{attr} not found")
+        proxy = wrapt.FunctionWrapper(original, wrapper)
+        self.setattr(owner, attr, proxy)
+        return proxy
+
     def swap_code(self, func: types.FunctionType, new_code: types.CodeType) -> None:
         if func.__code__.co_freevars != new_code.co_freevars:
             raise TargetMismatch(f"{func.__qualname__}: closure variables differ, cannot swap its code")

@@ -71,9 +71,27 @@ _explicit = False  # install() was called
 _finished: set[str] = set()  # watched modules whose body finished executing
 
 
+def _configure_logging(level: str | None) -> None:
+    """TTC_LOG=debug|info|warning|error: give our logger that level and a handler of its own."""
+    if not level or getattr(log, "_ttc_configured", False):
+        return
+    log.setLevel(level.upper())
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("torch-threadsafe-compile %(levelname)s: %(message)s"))
+    log.addHandler(handler)
+    log.propagate = False
+    log._ttc_configured = True  # type: ignore[attr-defined]
+
+
 def _load() -> dict[str, PatchState]:
     global _states
     if _states is None:
+        settings = _settings()
+        _configure_logging(settings.log_level)
+        known = set(PATCH_MODULES)
+        unknown = sorted(settings.disabled_patches - known)
+        if unknown:
+            _warn(f"TTC_DISABLE names unknown patches {unknown}; known: {sorted(known)}")
         states = {}
         for name in PATCH_MODULES:
             mod = importlib.import_module(f"torch_threadsafe_compile.patches.{name}")
@@ -178,17 +196,25 @@ def _try_apply(ps: PatchState, settings: Any) -> None:
         _undo(changes)
         ps.changes = None
         ps.state, ps.reason = "failed", f"{type(e).__name__}: {e}"
-        log.warning("torch-threadsafe-compile: patch %s failed and was reverted: %s", ps.spec.id, ps.reason)
+        _warn(f"patch {ps.spec.id} ({ps.spec.hazard}) failed and was reverted: {ps.reason}; torch runs without it")
         return
     ps.state, ps.reason = "applied", ""
     log.debug("%s applied", ps.spec.id)
 
 
+def _warn(msg: str) -> None:
+    """One line on stderr for the first problem of the process (never more); every problem in the log."""
+    from torch_threadsafe_compile import _bootstrap
+
+    log.info(msg)
+    _bootstrap.warn(msg + " (details: TTC_LOG=info, or python -m torch_threadsafe_compile doctor)")
+
+
 def _undo(changes: Changes) -> None:
     try:
         changes.revert()
-    except Exception as e:  # pragma: no cover - reported, never raised at import time
-        log.warning("torch-threadsafe-compile: revert incomplete: %s", e)
+    except Exception as e:  # reported, never raised at import time
+        _warn(f"revert incomplete: {e}")
 
 
 def _apply_ready() -> None:

@@ -78,6 +78,51 @@ def fx_flag_leak(compiles: int = 4, callers: int = 3, late: int = 0, backend: st
 
 
 @scenario
+def fx_flag_poll(seconds: float = 2.0) -> dict[str, Any]:
+    """H1, seen directly: one thread FX-traces in a loop; another polls the FX tracing flag.
+
+    Shows the leak on every version where the flag is a global, including 2.12/2.13 where the compile
+    error of ``fx_flag_leak`` is masked by H2."""
+    import logging
+
+    import torch
+    import torch.fx
+    import torch.fx._symbolic_trace as st
+
+    logging.getLogger(st.__name__).setLevel(logging.ERROR)  # is_fx_tracing() warns once upstream
+
+    class M(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for _ in range(20):
+                x = torch.relu(x) + 1
+            return x
+
+    stop = threading.Event()
+    polls = [0, 0]
+
+    def tracer() -> None:
+        t_end = time.time() + seconds
+        try:
+            while time.time() < t_end:
+                torch.fx.symbolic_trace(M())
+        finally:
+            stop.set()
+
+    def poller() -> None:
+        while not stop.is_set():
+            polls[0] += 1
+            if st.is_fx_tracing():
+                polls[1] += 1
+
+    ts = [threading.Thread(target=tracer), threading.Thread(target=poller)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    return {"polls": polls[0], "true_in_other_thread": polls[1]}
+
+
+@scenario
 def fx_same_thread(backend: str = "aot_eager") -> dict[str, Any]:
     """H1 control: FX-tracing a module that calls a compiled fn must still raise, in the same thread;
     plain symbolic_trace / make_fx / export must still work."""
@@ -286,6 +331,69 @@ def guard_sets(threads: int = 6, backend: str = "aot_eager") -> dict[str, Any]:
     for t in ts:
         t.join()
     return {"threads": threads, "guard_sets": 2, "graphs": int(du.counters["stats"]["unique_graphs"]), "errors": len(errors)}
+
+
+@scenario
+def drafter_flex(drafters: int = 3, targets: int = 2, steps: int = 4, seq: int = 1024) -> dict[str, Any]:
+    """H4 (CUDA): drafter threads train with compiled flex_attention (fwd+bwd, block-sparse causal
+    document mask) while target threads run a compiled MLP forward. Run with a cold inductor cache
+    (TORCHINDUCTOR_CACHE_DIR pointing at an empty directory) and a timeout: unpatched it can hang."""
+    import collections
+
+    import torch
+    import torch._dynamo.utils as du
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    if not torch.cuda.is_available():
+        return {"skipped": "needs CUDA (flex_attention backward is not implemented on CPU)"}
+    d = "cuda"
+    errs: collections.Counter[str] = collections.Counter()
+    done: collections.Counter[str] = collections.Counter()
+    flex = torch.compile(flex_attention)
+    B, H, S, D = 2, 8, seq, 64
+
+    def doc_causal(b: Any, h: Any, q: Any, kv: Any) -> Any:
+        return (q >= kv) & (q // 256 == kv // 256)
+
+    bm = create_block_mask(doc_causal, B, H, S, S, device=d)
+    target = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.GELU(), torch.nn.Linear(4096, 1024)).to(d)
+    target_c = torch.compile(target)
+
+    def drafter(i: int) -> None:
+        w = torch.randn(D, D, device=d, dtype=torch.bfloat16, requires_grad=True)
+        for _ in range(steps):
+            try:
+                q, k, v = (torch.randn(B, H, S, D, device=d, dtype=torch.bfloat16) @ w for _ in range(3))
+                flex(q, k, v, block_mask=bm).float().sum().backward()
+                done["drafter_steps"] += 1
+            except Exception as e:
+                errs[type(e).__name__ + ": " + str(e)[:70]] += 1
+
+    def tgt(i: int) -> None:
+        for _ in range(steps * 4):
+            try:
+                with torch.no_grad():
+                    target_c(torch.randn(64, 1024, device=d))
+                done["target_steps"] += 1
+            except Exception as e:
+                errs[type(e).__name__ + ": " + str(e)[:70]] += 1
+
+    ts = [threading.Thread(target=drafter, args=(i,)) for i in range(drafters)]
+    ts += [threading.Thread(target=tgt, args=(i,)) for i in range(targets)]
+    t0 = time.time()
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    frames = du.counters["frames"]
+    return {
+        "done": dict(done),
+        "errors": sum(errs.values()),
+        "kinds": list(errs)[:3],
+        "graphs": int(du.counters["stats"]["unique_graphs"]),
+        "uncompiled_frames": int(frames["total"] - frames["ok"]),
+        "wall_s": round(time.time() - t0, 1),
+    }
 
 
 def run(name: str, env: dict[str, str] | None = None, timeout: float = 300, **kwargs: Any) -> dict[str, Any]:

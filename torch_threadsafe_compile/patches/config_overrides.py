@@ -48,6 +48,7 @@ CACHE_VARS = {
     "_get_dict_cache_var": None,
 }
 _CONFIG_MODULE_FILE = "_config_module.py"
+_WRAPPERS = frozenset({"global_setattr", "global_delattr"})
 
 
 def _cm() -> Any:
@@ -60,9 +61,15 @@ def _from_outside_torch() -> bool:
     Frames of ``_config_module`` itself are skipped only for the attribute forwarding of ``SubConfigProxy``
     (``config.triton.cudagraphs = True``), which belongs to its caller; ``ConfigPatch`` frames count as torch.
     """
-    f = sys._getframe(2)  # 0: this function, 1: our __setattr__/__delattr__
+    f = sys._getframe(1)
     while f is not None:
         code = f.f_code
+        mod = f.f_globals.get("__name__", "")
+        # Skip our own wrappers (and wrapt's pure-Python layer, if its C extension is unavailable) ...
+        if (mod == __name__ and code.co_name in _WRAPPERS) or mod.startswith("wrapt"):
+            f = f.f_back
+            continue
+        # ... and SubConfigProxy's forwarding, whose caller is the one that assigned.
         if code.co_filename.endswith(_CONFIG_MODULE_FILE) and code.co_name in ("__setattr__", "__delattr__"):
             f = f.f_back
             continue
@@ -109,34 +116,30 @@ def reset_config_caches(module: Any) -> None:
 def apply(changes: Changes) -> dict[str, Any]:
     cm = _cm()
     cls = cm.ConfigModule
-    orig_setattr = cls.__dict__["__setattr__"]
-    orig_delattr = cls.__dict__["__delattr__"]
     unset = cm._UNSET_SENTINEL
 
-    def __setattr__(self: Any, name: str, value: object) -> None:
-        orig_setattr(self, name, value)
-        config = self.__dict__.get("_config")
+    def global_setattr(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> None:
+        wrapped(*args, **kwargs)
+        name, value = args
+        config = instance.__dict__.get("_config")
         if (
             config is not None
             and name in config
-            and name not in getattr(type(self), "_bypass_keys", ())
+            and name not in getattr(type(instance), "_bypass_keys", ())
             and config[name].alias is None
             and _from_outside_torch()
         ):
-            _make_global(self, name, value)
+            _make_global(instance, name, value)
 
-    def __delattr__(self: Any, name: str) -> None:
-        orig_delattr(self, name)
-        config = self.__dict__.get("_config")
+    def global_delattr(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> None:
+        wrapped(*args, **kwargs)
+        (name,) = args
+        config = instance.__dict__.get("_config")
         if config is not None and name in config and _from_outside_torch():
-            _make_global(self, name, unset)
+            _make_global(instance, name, unset)
 
-    __setattr__.__wrapped__ = orig_setattr  # type: ignore[attr-defined]
-    __delattr__.__wrapped__ = orig_delattr  # type: ignore[attr-defined]
-    __setattr__.__qualname__ = orig_setattr.__qualname__
-    __delattr__.__qualname__ = orig_delattr.__qualname__
-    changes.setattr(cls, "__setattr__", __setattr__)
-    changes.setattr(cls, "__delattr__", __delattr__)
+    changes.wrap(cls, "__setattr__", global_setattr)
+    changes.wrap(cls, "__delattr__", global_delattr)
     return {}
 
 

@@ -148,7 +148,6 @@ def apply(changes: Changes) -> dict[str, Any]:
     ctx_cls = ef._TorchDynamoContext
     cw_code = _find_nested_code(ctx_cls, ("compile_wrapper", "_fn"))
     get_entries = sys.modules["torch._C._dynamo.eval_frame"]._debug_get_cache_entry_list
-    orig_ctx_call = ctx_cls.__dict__["__call__"]
     orig_cb_call = cf.CatchErrorsWrapper.__dict__["__call__"]
 
     def make_gate(compile_wrapper: Callable[..., Any]) -> Callable[..., Any]:
@@ -166,9 +165,8 @@ def apply(changes: Changes) -> dict[str, Any]:
 
     gate_code = make_gate(lambda: None).__code__
 
-    @functools.wraps(orig_ctx_call)
-    def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
-        result = orig_ctx_call(self, *args, **kwargs)
+    def gate_compiled(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
+        result = wrapped(*args, **kwargs)
         if getattr(result, "__code__", None) is cw_code:
             return make_gate(result)
         return result
@@ -204,7 +202,7 @@ def apply(changes: Changes) -> dict[str, Any]:
             stats.record(code, "compiles", waited)
         return result
 
-    changes.setattr(ctx_cls, "__call__", __call__)
+    changes.wrap(ctx_cls, "__call__", gate_compiled)
     changes.setattr(cf.CatchErrorsWrapper, "__call__", callback_call)
     _state.update(cw_code=cw_code, gate_code=gate_code)
     return {}
