@@ -94,7 +94,7 @@ def check() -> str | None:
     return None
 
 
-def _make_global(module: Any, name: str, value: Any) -> None:
+def make_global(module: Any, name: str, value: Any) -> None:
     entry = module._config[name]
     var = entry.user_override
     if not isinstance(var, ContextVar):
@@ -129,14 +129,14 @@ def apply(changes: Changes) -> dict[str, Any]:
             and config[name].alias is None
             and _from_outside_torch()
         ):
-            _make_global(instance, name, value)
+            make_global(instance, name, value)
 
     def global_delattr(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> None:
         wrapped(*args, **kwargs)
         (name,) = args
         config = instance.__dict__.get("_config")
         if config is not None and name in config and _from_outside_torch():
-            _make_global(instance, name, unset)
+            make_global(instance, name, unset)
 
     changes.wrap(cls, "__setattr__", global_setattr)
     changes.wrap(cls, "__delattr__", global_delattr)

@@ -20,10 +20,11 @@ and reported instead of silent.
 from __future__ import annotations
 
 import sys
+from contextvars import ContextVar
 from typing import Any
 
 from torch_threadsafe_compile._patching import Changes, run_in_thread
-from torch_threadsafe_compile.patches.config_overrides import reset_config_caches
+from torch_threadsafe_compile.patches.config_overrides import make_global, reset_config_caches
 from torch_threadsafe_compile.registry import PatchSpec
 
 SPEC = PatchSpec(
@@ -57,9 +58,12 @@ def apply(changes: Changes) -> dict[str, Any]:
     if getattr(cfg, OPTION) is True:
         return {"note": "already enabled by the program or the environment"}
     saved = entry.user_override
-    # Assignment from outside torch: with config_overrides (H6) this is process-wide on 2.12+, and on
-    # ≤ 2.11 config assignments are process-wide anyway.
-    setattr(cfg, OPTION, True)
+    if isinstance(saved, ContextVar):
+        # 2.12+: set it process-wide the way config_overrides (H6) does, without writing the original
+        # variable in this thread's context, so that revert is exact.
+        make_global(cfg, OPTION, True)
+    else:  # <= 2.11: config values are process-wide already
+        setattr(cfg, OPTION, True)
 
     def undo() -> None:
         entry.user_override = saved  # a ContextVar on 2.12+, the plain value before

@@ -1,0 +1,35 @@
+"""Helpers shared by the bench scripts: alternate runs of the active and unpatched (TTC_DISABLE=1)
+configurations in one invocation, and report medians and their ratio."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import sys
+from typing import Callable
+
+
+def child_env(disabled: bool) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TTC_")}
+    if disabled:
+        env["TTC_DISABLE"] = "1"
+    env.setdefault("PYTHONWARNINGS", "ignore")
+    return env
+
+
+def run_child(code: str, disabled: bool, args: tuple[str, ...] = ()) -> str:
+    p = subprocess.run([sys.executable, *args, "-c", code], env=child_env(disabled), capture_output=True, text=True, check=True)
+    return p.stdout
+
+
+def alternate(measure: Callable[[bool], float], rounds: int) -> dict[str, float]:
+    """Run ``measure(disabled)`` alternately (ABAB...) so drifts of the machine hit both sides alike."""
+    on: list[float] = []
+    off: list[float] = []
+    for i in range(rounds):
+        order = (False, True) if i % 2 == 0 else (True, False)
+        for disabled in order:
+            (off if disabled else on).append(measure(disabled))
+    m_on, m_off = statistics.median(on), statistics.median(off)
+    return {"active_median": m_on, "unpatched_median": m_off, "ratio": m_on / m_off, "rounds": rounds}

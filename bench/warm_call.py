@@ -1,0 +1,74 @@
+"""H3 costs: warm-call overhead of the compile gate, and stampede wall time.
+
+1. Warm calls of a tiny compiled function (``x + 1`` on a 16-element tensor, backend ``aot_eager`` by
+   default): median per-call time over batches, in fresh interpreters alternating active and
+   TTC_DISABLE=1; reported as a ratio.
+2. Stampede: 8 threads make the first call of one compiled function at the same moment; wall time of
+   the stampede divided by the wall time of a single thread's first call (one compile), both active and
+   unpatched.
+
+    python bench/warm_call.py [--rounds 10] [--backend inductor]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _common import alternate, run_child  # noqa: E402
+
+WARM = """
+import time, statistics, json, torch
+f = torch.compile(lambda x: x + 1, backend={backend!r})
+x = torch.randn(16)
+for _ in range(200): f(x)
+per = []
+for _ in range(30):
+    t0 = time.perf_counter()
+    for _ in range(2000): f(x)
+    per.append((time.perf_counter() - t0) / 2000)
+print(json.dumps(statistics.median(per)))
+"""
+
+STAMPEDE = """
+import time, threading, json, torch
+def make():
+    return torch.compile(lambda x: (x * 2).sin() + 1, backend={backend!r})
+# one compile, alone (a different function object of the same shape of work)
+f1 = make(); x = torch.randn(64)
+t0 = time.perf_counter(); f1(x); single = time.perf_counter() - t0
+f = torch.compile(lambda x: (x * 3).cos() - 1, backend={backend!r})
+bar = threading.Barrier({n})
+def w():
+    y = torch.randn(64); bar.wait(); f(y)
+ts = [threading.Thread(target=w) for _ in range({n})]
+t0 = time.perf_counter(); [t.start() for t in ts]; [t.join() for t in ts]
+print(json.dumps([single, time.perf_counter() - t0]))
+"""
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--backend", default="aot_eager")
+    ap.add_argument("--threads", type=int, default=8)
+    a = ap.parse_args()
+    warm = alternate(lambda d: json.loads(run_child(WARM.format(backend=a.backend), d)), a.rounds)
+    print(f"warm call ({a.backend}): active {warm['active_median']*1e6:.2f} us, TTC_DISABLE=1 {warm['unpatched_median']*1e6:.2f} us, "
+          f"ratio {warm['ratio']:.3f} (median of {a.rounds} alternating interpreters x 30 batches of 2000 calls)")
+    res = {}
+    for disabled in (False, True):
+        runs = [json.loads(run_child(STAMPEDE.format(backend=a.backend, n=a.threads), disabled)) for _ in range(3)]
+        single = sorted(r[0] for r in runs)[1]
+        stamp = sorted(r[1] for r in runs)[1]
+        res[disabled] = (single, stamp)
+    for disabled, label in ((False, "active"), (True, "TTC_DISABLE=1")):
+        single, stamp = res[disabled]
+        print(f"stampede of {a.threads} threads ({a.backend}), {label}: {stamp:.2f} s vs one compile {single:.2f} s -> ratio {stamp / single:.2f} (median of 3)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,205 @@
+"""H3 patch ``first_compile`` under failure and re-entrancy: no deadlock, no half-built results.
+
+Each case runs in a fresh interpreter with the package active. Two watchdogs: the child joins its threads
+with a timeout and reports threads still alive as a hang; the parent kills the child after TIMEOUT.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import run_py
+
+TIMEOUT = 180
+PRELUDE = """
+import json, threading, time, torch, torch._dynamo
+import torch._dynamo.utils as du
+import torch_threadsafe_compile as ttc
+from torch._dynamo.backends.registry import lookup_backend
+assert {p["id"]: p["state"] for p in ttc.status()["patches"]}["first_compile"] == "applied"
+aot_eager = lookup_backend("aot_eager")
+
+def run_threads(fns, join_s=60):
+    ts = [threading.Thread(target=f, daemon=True) for f in fns]
+    for t in ts: t.start()
+    deadline = time.time() + join_s
+    for t in ts: t.join(max(0.0, deadline - time.time()))
+    return sum(t.is_alive() for t in ts)
+
+def compiles(fn_name):
+    stats = next(p for p in ttc.status()["patches"] if p["id"] == "first_compile").get("stats", {})
+    return {k: v for k, v in stats.items() if k.startswith(fn_name + " ")}
+"""
+
+
+def _run(body: str) -> dict:
+    p = run_py(PRELUDE + body, timeout=TIMEOUT)
+    lines = [line for line in p.stdout.splitlines() if line.startswith("RESULT ")]
+    assert lines, f"rc={p.returncode}\n{p.stderr[-3000:]}"
+    return json.loads(lines[-1][7:])
+
+
+def test_compile_error_reaches_its_caller_others_recover() -> None:
+    """The first compile raises: that caller gets the error; waiting threads compile for themselves."""
+    res = _run("""
+calls = {"n": 0}
+lock = threading.Lock()
+def flaky(gm, ex):
+    with lock:
+        calls["n"] += 1
+        first = calls["n"] == 1
+    if first:
+        time.sleep(0.3)  # let the others queue up behind this compile
+        raise RuntimeError("boom on first compile")
+    return aot_eager(gm, ex)
+f = torch.compile(lambda x: x.sin() * 2, backend=flaky)
+bar = threading.Barrier(6); errors = []; ok = []
+def w():
+    x = torch.randn(8); bar.wait()
+    try:
+        ok.append(bool(torch.allclose(f(x), x.sin() * 2)))
+    except Exception as e:
+        errors.append(str(e))
+hung = run_threads([w] * 6)
+print("RESULT " + json.dumps(dict(hung=hung, errors=errors, ok=ok, backend_calls=calls["n"])))
+""")
+    assert res["hung"] == 0
+    assert len(res["errors"]) == 1 and "boom on first compile" in res["errors"][0]
+    assert res["ok"] == [True] * 5
+    assert res["backend_calls"] == 2  # the failed compile, then one compile shared by the five others
+
+
+def test_deterministic_compile_error_reaches_every_caller_without_hang() -> None:
+    res = _run("""
+def bad(gm, ex):
+    raise ValueError("always fails")
+f = torch.compile(lambda x: x.cos(), backend=bad)
+bar = threading.Barrier(4); errors = []
+def w():
+    x = torch.randn(8); bar.wait()
+    try:
+        f(x)
+    except Exception as e:
+        errors.append(type(e).__name__ + ":" + ("always fails" in str(e)).__str__())
+hung = run_threads([w] * 4)
+print("RESULT " + json.dumps(dict(hung=hung, errors=errors)))
+""")
+    assert res["hung"] == 0
+    assert len(res["errors"]) == 4 and all(e.endswith(":True") for e in res["errors"])
+
+
+@pytest.mark.parametrize("exc", ["KeyboardInterrupt", "SystemExit"])
+def test_interrupted_compile_releases_everything(exc: str) -> None:
+    """KeyboardInterrupt/SystemExit in one thread's compile: it propagates there; nobody else hangs."""
+    res = _run(f"""
+state = {{"first": True}}
+lock = threading.Lock()
+def interrupting(gm, ex):
+    with lock:
+        first, state["first"] = state["first"], False
+    if first:
+        time.sleep(0.3)
+        raise {exc}()
+    return aot_eager(gm, ex)
+f = torch.compile(lambda x: x.tanh() + 1, backend=interrupting)
+bar = threading.Barrier(5); got = []; ok = []
+def w():
+    x = torch.randn(8); bar.wait()
+    try:
+        ok.append(bool(torch.allclose(f(x), x.tanh() + 1)))
+    except BaseException as e:
+        got.append(type(e).__name__)
+hung = run_threads([w] * 5)
+# the lock is free again: a fresh call compiles nothing new and works in this thread
+x = torch.randn(8)
+after = bool(torch.allclose(f(x), x.tanh() + 1))
+print("RESULT " + json.dumps(dict(hung=hung, got=got, ok=ok, after=after)))
+""")
+    assert res["hung"] == 0
+    assert res["got"] == [exc]
+    assert res["ok"] == [True] * 4 and res["after"] is True
+
+
+def test_nested_compiled_functions_in_opposite_orders() -> None:
+    """Compiled fns that call other compiled fns at run time (through a graph break), from threads in
+    opposite orders, and a backend that itself runs a compiled fn: no deadlock, one compile per code."""
+    res = _run("""
+@torch.compile(backend="aot_eager")
+def g(x):
+    return x * 3
+@torch.compiler.disable
+def call_g(x):
+    return g(x)
+@torch.compile(backend="aot_eager")
+def f(x):
+    return call_g(x + 1) - 1
+def backend_that_calls_g(gm, ex):
+    g(torch.randn(8))  # a compile that runs compiled code of another function
+    return aot_eager(gm, ex)
+h = torch.compile(lambda x: f(x) + g(x), backend=backend_that_calls_g)
+bar = threading.Barrier(6); errors = []; ok = []
+def w(i):
+    def run():
+        x = torch.randn(8); bar.wait()
+        try:
+            order = [f, g, h] if i % 2 else [h, g, f]
+            for fn in order:
+                fn(x)
+            ok.append(bool(torch.allclose(f(x), (x + 1) * 3 - 1)))
+        except Exception as e:
+            errors.append(str(e)[:100])
+    return run
+hung = run_threads([w(i) for i in range(6)])
+print("RESULT " + json.dumps(dict(hung=hung, errors=errors, ok=ok, g=compiles("g"), f=compiles("f"))))
+""")
+    assert res["hung"] == 0 and res["errors"] == []
+    assert res["ok"] == [True] * 6
+    assert [v["compiles"] for v in res["g"].values()] == [1]
+    assert [v["compiles"] for v in res["f"].values()] == [1]
+
+
+def test_recursion_through_compiled_function() -> None:
+    res = _run("""
+@torch.compile(backend="aot_eager")
+def step(x, n):
+    return x * 0.5 + n
+@torch.compiler.disable
+def recurse(x, n):
+    return x if n == 0 else recurse(step(x, n), n - 1)
+bar = threading.Barrier(4); errors = []; ok = []
+def w():
+    x = torch.ones(4); bar.wait()
+    try:
+        ok.append(float(recurse(x, 5)[0]))
+    except Exception as e:
+        errors.append(str(e)[:100])
+hung = run_threads([w] * 4)
+print("RESULT " + json.dumps(dict(hung=hung, errors=errors, ok=ok)))
+""")
+    assert res["hung"] == 0 and res["errors"] == []
+    assert len(set(res["ok"])) == 1
+
+
+def test_slow_compile_does_not_block_other_functions_forever() -> None:
+    """One function's compile takes far longer; other functions' callers still finish, and warm calls of
+    already-compiled functions never wait for the lock."""
+    res = _run("""
+def slow(gm, ex):
+    time.sleep(2.0)
+    return aot_eager(gm, ex)
+fast = torch.compile(lambda x: x + 1, backend="aot_eager")
+fast(torch.randn(4))  # warm
+slowf = torch.compile(lambda x: x - 1, backend=slow)
+started = threading.Event(); warm_times = []
+def s():
+    started.set(); slowf(torch.randn(4))
+def w():
+    started.wait(); time.sleep(0.2)
+    t0 = time.perf_counter(); fast(torch.randn(4)); warm_times.append(time.perf_counter() - t0)
+hung = run_threads([s, w, w])
+print("RESULT " + json.dumps(dict(hung=hung, warm_max=max(warm_times))))
+""")
+    assert res["hung"] == 0
+    assert res["warm_max"] < 1.0  # a warm call does not wait for the 2 s compile

@@ -1,0 +1,167 @@
+"""The registry: specs are complete, ordered, watched; install/uninstall restore identity exactly."""
+
+from __future__ import annotations
+
+import json
+
+from conftest import run_py
+
+from torch_threadsafe_compile import _bootstrap, registry
+
+
+def test_every_patch_declares_its_spec() -> None:
+    from packaging.specifiers import SpecifierSet
+
+    ids = [s.id for s in registry.specs()]
+    assert ids == list(registry.PATCH_MODULES), "patch id must equal its module name"
+    for spec in registry.specs():
+        assert spec.hazard.startswith("H") and spec.summary and spec.upstream
+        SpecifierSet(spec.torch_versions)  # parses
+        assert spec.modules and all(m == "torch" or m.startswith("torch.") for m in spec.modules)
+
+
+def test_bootstrap_watches_every_target_module() -> None:
+    # The bootstrap cannot import the registry at start-up, so it keeps its own list: it must cover all.
+    for spec in registry.specs():
+        for m in spec.modules:
+            assert m in _bootstrap.WATCHED, f"{spec.id}: {m} is not watched by the bootstrap"
+
+
+def test_order_respects_dependencies() -> None:
+    order = list(registry.PATCH_MODULES)
+    for spec in registry.specs():
+        for dep in spec.after:
+            assert order.index(dep) < order.index(spec.id), f"{spec.id} must come after {dep}"
+
+
+def test_each_patch_module_cites_its_hazard() -> None:
+    import importlib
+
+    for name in registry.PATCH_MODULES:
+        mod = importlib.import_module(f"torch_threadsafe_compile.patches.{name}")
+        assert mod.SPEC.hazard in (mod.__doc__ or ""), f"{name}: docstring must name {mod.SPEC.hazard}"
+        for fn in ("check", "apply", "verify"):
+            assert callable(getattr(mod, fn)), f"{name}.{fn}"
+
+
+# Objects every patch touches, as (expression, is-a-function-whose-code-may-be-swapped).
+TARGETS = """
+import torch, torch._dynamo, torch._functorch.config, types, threading
+import torch.fx._symbolic_trace as st
+import torch._dynamo.convert_frame as cf
+import torch._dynamo.eval_frame as ef
+import torch.utils._config_module as cm
+def snapshot():
+    out = {
+        "st.class": type(st), "compiler.class": type(torch.compiler),
+        "Tracer.trace": st.Tracer.__dict__["trace"], "compile_lock": cf.compile_lock,
+        "CEW.__call__": cf.CatchErrorsWrapper.__dict__["__call__"],
+        "TDC.__call__": ef._TorchDynamoContext.__dict__["__call__"],
+        "CM.__setattr__": cm.ConfigModule.__dict__["__setattr__"], "CM.__delattr__": cm.ConfigModule.__dict__["__delattr__"],
+        "st.names": sorted(k for k in vars(st) if k.startswith("_ttc")),
+        "compiler.names": sorted(k for k in vars(torch.compiler) if k.startswith("_ttc")),
+    }
+    for name in ("is_fx_tracing", "is_fx_symbolic_tracing"):
+        f = getattr(st, name, None)
+        if f is not None:
+            out[name] = (f, f.__code__)
+    f = torch.compiler.is_compiling
+    out["is_compiling"] = (f, f.__code__)
+    out["force_non_lazy"] = getattr(torch._functorch.config, "force_non_lazy_backward_lowering", None)
+    return out
+def fingerprint(snap):
+    def fp(v):
+        if isinstance(v, tuple):
+            return [fp(x) for x in v]
+        if isinstance(v, types.CodeType):
+            return [v.co_filename.rsplit("torch", 1)[-1], v.co_firstlineno, v.co_code.hex()[:64]]
+        if isinstance(v, list):
+            return v
+        return [type(v).__module__, type(v).__qualname__, getattr(v, "__qualname__", None), getattr(v, "__module__", None)] if not isinstance(v, (bool, type(None))) else v
+    return {k: fp(v) for k, v in snap.items()}
+"""
+
+
+def test_disabled_leaves_torch_as_upstream_ships_it() -> None:
+    code = TARGETS + """
+import json, torch_threadsafe_compile as ttc
+ttc.install()  # must be a no-op under TTC_DISABLE=1
+print("FP " + json.dumps(fingerprint(snapshot())))
+print("STATES " + json.dumps(sorted({p["state"] for p in ttc.status()["patches"]})))
+"""
+    off = run_py(code, env={"TTC_DISABLE": "1"})
+    assert off.returncode == 0, off.stderr
+    lines = {line.split(" ", 1)[0]: json.loads(line.split(" ", 1)[1]) for line in off.stdout.splitlines() if line[:3] in ("FP ", "STA")}
+    fp = lines["FP"]
+    assert lines["STATES"] == ["disabled"]
+    assert fp["st.names"] == [] and fp["compiler.names"] == []
+    assert fp["st.class"][2] == "module" and fp["compiler.class"][2] == "module"
+    assert fp["CEW.__call__"][3] == "torch._dynamo.convert_frame"
+    assert fp["compile_lock"][1] == "RLock"
+
+    # The same process state, reached by installing then uninstalling, is identical.
+    code2 = TARGETS + """
+import json, torch_threadsafe_compile as ttc
+ttc.uninstall()
+print("FP " + json.dumps(fingerprint(snapshot())))
+"""
+    on = run_py(code2)
+    assert on.returncode == 0, on.stderr
+    fp2 = json.loads([line for line in on.stdout.splitlines() if line.startswith("FP ")][0][3:])
+    assert fp2 == fp
+
+
+def test_install_uninstall_round_trips_restore_identity() -> None:
+    code = TARGETS + """
+import torch_threadsafe_compile as ttc
+applied = lambda: sorted(p["id"] for p in ttc.status()["patches"] if p["state"] == "applied")
+first = applied()
+ttc.uninstall()
+orig = snapshot()
+assert not applied()
+for round in range(2):
+    ttc.install()
+    assert applied() == first, (applied(), first)
+    patched = snapshot()
+    changed = [k for k in orig if orig[k] != patched[k]]
+    ttc.uninstall()
+    back = snapshot()
+    for k in orig:
+        a, b = orig[k], back[k]
+        same = all(x is y for x, y in zip(a, b)) if isinstance(a, tuple) else (a == b if isinstance(a, list) else a is b)
+        assert same, f"{k} not restored: {a!r} vs {b!r}"
+    ttc.install()
+    assert ttc.install()["patches"] == ttc.status()["patches"]  # idempotent
+    ttc.uninstall()
+print("OK", first, changed)
+"""
+    p = run_py(code)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.startswith("OK"), p.stdout
+    # Sanity: the round trip did change things while installed (otherwise the test proves nothing).
+    assert "Tracer.trace" in p.stdout or "is_compiling" in p.stdout or "compile_lock" in p.stdout
+
+
+def test_is_patched_and_get_original() -> None:
+    code = """
+import torch, torch._dynamo, torch_threadsafe_compile as ttc
+import torch._dynamo.convert_frame as cf
+assert ttc.is_patched(cf, "compile_lock")
+orig = ttc.get_original(cf, "compile_lock")
+assert type(orig).__name__ == "RLock" and cf.compile_lock._inner is orig
+ttc.uninstall()
+assert not ttc.is_patched(cf, "compile_lock") and cf.compile_lock is orig
+print("ok")
+"""
+    p = run_py(code)
+    assert p.stdout.strip() == "ok", p.stderr[-2000:]
+
+
+def test_doctor_reports_every_patch() -> None:
+    p = run_py("import sys; from torch_threadsafe_compile.__main__ import main; sys.exit(main(['doctor']))")
+    assert p.returncode == 0, p.stderr
+    for spec in registry.specs():
+        assert spec.id in p.stdout
+    assert "activation  pth" in p.stdout
+    p = run_py("import sys; from torch_threadsafe_compile.__main__ import main; sys.exit(main(['doctor']))", env={"TTC_DISABLE": "1"})
+    assert "activation  disabled" in p.stdout
