@@ -12,6 +12,9 @@ from typing import Callable
 
 def child_env(disabled: bool) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("TTC_")}
+    # Measure as users run: with bytecode caching (pip install writes .pyc files; an environment that
+    # forbids writing them would make every start compile our sources, ~3 ms, and torch's).
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
     if disabled:
         env["TTC_DISABLE"] = "1"
     env.setdefault("PYTHONWARNINGS", "ignore")

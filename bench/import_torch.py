@@ -36,8 +36,12 @@ def main() -> None:
         mods[disabled] = m
         return t_torch
 
+    dyn_mods: dict[bool, list[str]] = {}
+
     def m_dynamo(disabled: bool) -> float:
-        return json.loads(run_child(CODE.format(extra="import torch._dynamo, torch._functorch.config"), disabled))[1]
+        _, t_dyn, m = json.loads(run_child(CODE.format(extra="import torch._dynamo, torch._functorch.config"), disabled))
+        dyn_mods[disabled] = m
+        return t_dyn
 
     r1 = alternate(m_torch, a.rounds)
     r2 = alternate(m_dynamo, a.rounds)
@@ -46,7 +50,9 @@ def main() -> None:
     print(f"then import torch._dynamo: active {r2['active_median']*1e3:.0f} ms, TTC_DISABLE=1 {r2['unpatched_median']*1e3:.0f} ms, "
           f"ratio {r2['ratio']:.3f}")
     extra = sorted(set(mods[False]) - set(mods[True]))
-    print(f"torch modules imported only when active: {extra or 'none'}")
+    print(f"torch modules imported only when active, after import torch: {extra or 'none'}")
+    extra = sorted(set(dyn_mods[False]) - set(dyn_mods[True]))
+    print(f"torch modules imported only when active, after import torch._dynamo: {extra or 'none'}")
 
 
 if __name__ == "__main__":

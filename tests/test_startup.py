@@ -149,8 +149,9 @@ def test_double_activation_is_harmless() -> None:
     assert p.stdout.strip() == "ok", p.stderr
 
 
-def test_import_torch_loads_no_extra_torch_modules() -> None:
-    code = "import sys, torch; print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))"
+@pytest.mark.parametrize("what", ["torch", "torch._dynamo, torch._functorch.config"])
+def test_import_loads_no_extra_torch_modules(what: str) -> None:
+    code = f"import sys, {what}; print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))"
     active = run_py(code)
     off = run_py(code, env={"TTC_DISABLE": "1"})
     assert active.returncode == 0 and off.returncode == 0
