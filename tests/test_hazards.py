@@ -99,6 +99,14 @@ def test_h3_one_compile_per_stampede(threads: int) -> None:
     assert on["uncompiled_frames"] == 0 and on["errors"] == 0 and on["wrong_results"] == 0
 
 
+@pytest.mark.parametrize("how", ["torch.compile", "module.compile"])
+def test_h3_modules_compile_once(how: str) -> None:
+    """patch first_compile: torch.compile(module) and module.compile(), 8 simultaneous first calls -> 1 compile."""
+    off, on = pair("module_stampede", unpatched_may_crash=True, threads=8, how=how)
+    assert "crashed" in off or off["graphs"] > 1
+    assert on["graphs"] == 1 and on["errors"] == 0 and on["uncompiled_frames"] == 0
+
+
 def test_h3_one_compile_per_guard_set() -> None:
     """patch first_compile: threads needing two guard sets (float32/float64) -> 2 compiles."""
     off, on = pair("guard_sets", unpatched_may_crash=True, threads=6)

@@ -308,6 +308,47 @@ def stampede(threads: int = 8, backend: str = "aot_eager", shapes: int = 2) -> d
 
 
 @scenario
+def module_stampede(threads: int = 8, how: str = "torch.compile", backend: str = "aot_eager") -> dict[str, Any]:
+    """H3 for modules: ``torch.compile(module)`` or ``module.compile()``, first call from ``threads`` at once."""
+    import torch
+    import torch._dynamo.utils as du
+
+    class M(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x).relu()
+
+    if how == "torch.compile":
+        m = torch.compile(M(), backend=backend)
+    else:
+        m = M()
+        m.compile(backend=backend)
+    bar = threading.Barrier(threads)
+    errors: list[str] = []
+
+    def w() -> None:
+        x = torch.randn(4, 8)
+        bar.wait()
+        try:
+            with torch.no_grad():
+                m(x)
+        except Exception as e:
+            errors.append(str(e)[:80])
+
+    ts = [threading.Thread(target=w) for _ in range(threads)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    frames = du.counters["frames"]
+    return {"threads": threads, "how": how, "graphs": int(du.counters["stats"]["unique_graphs"]),
+            "uncompiled_frames": int(frames["total"] - frames["ok"]), "errors": len(errors)}
+
+
+@scenario
 def guard_sets(threads: int = 6, backend: str = "aot_eager") -> dict[str, Any]:
     """H3: threads needing two different guard sets (two dtypes) → one compile per guard set."""
     import torch

@@ -21,6 +21,10 @@ This patch makes the waiting threads look again:
   not started executing, so the gate simply calls again and dynamo's C lookup now hits;
 * a gated call retries at most ``MAX_RETRIES`` times, then compiles as upstream would (a safety net for
   entries whose guards pass but that dynamo will not use, e.g. another backend's);
+* ``torch.compile(module)`` and ``module.compile()`` reach the compiled ``forward`` through ``nn.Module``'s
+  call plumbing; on its hook-free fast path nothing runs before ``forward``, so that frame counts as the
+  top frame too. With forward (pre-)hooks registered, the hooks would run twice on a retry: such calls
+  compile as upstream;
 * inner frames (graph-break continuations, functions called from compiled code) cannot be retried that
   way; they are serialized by ``compile_lock`` as upstream.
 
@@ -123,6 +127,19 @@ def _entry_checker(entry: Any) -> Callable[[dict[str, Any]], Any] | None:
     return fn if callable(fn) else None
 
 
+_HOOK_ATTRS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+_GLOBAL_HOOKS = ("_global_forward_pre_hooks", "_global_forward_hooks", "_global_backward_pre_hooks", "_global_backward_hooks")
+
+
+def _hook_free(module: Any, module_globals: dict[str, Any]) -> bool:
+    """True when ``Module._call_impl`` takes its fast path (no hook can have run before ``forward``)."""
+    if module is None:
+        return False
+    if any(getattr(module, a, None) for a in _HOOK_ATTRS):
+        return False
+    return not any(module_globals.get(g) for g in _GLOBAL_HOOKS)
+
+
 def check() -> str | None:
     ef, cf = _modules()
     ctx = getattr(ef, "_TorchDynamoContext", None)
@@ -183,11 +200,33 @@ def apply(changes: Changes) -> dict[str, Any]:
                     continue
         return False
 
+    module_file = os.path.join("torch", "nn", "modules", "module.py")
+
+    def gate_frame_of(caller: Any) -> Any:
+        """The gate's frame if the frame being compiled is the first real frame of a gated call.
+
+        Between dynamo's ``compile_wrapper`` and that frame there may only be ``nn.Module``'s call
+        plumbing (``torch.compile(module)`` wraps ``module.__call__``; ``module.compile()`` wraps
+        ``_call_impl``), and only on its hook-free fast path: then nothing has run that a retry would
+        run twice. Anything else (a graph-break continuation, a function called from compiled code):
+        None, and the frame compiles as upstream.
+        """
+        f = caller
+        while f is not None and f.f_code is not cw_code:
+            code = f.f_code
+            if not (code.co_name in ("_call_impl", "_wrapped_call_impl") and code.co_filename.endswith(module_file)):
+                return None
+            if code.co_name == "_call_impl" and not _hook_free(f.f_locals.get("self"), f.f_globals):
+                return None
+            f = f.f_back
+        if f is None or f.f_back is None or f.f_back.f_code is not gate_code:
+            return None
+        return f.f_back
+
     @functools.wraps(orig_cb_call)
     def callback_call(self: Any, frame: Any, cache_entry: Any, frame_state: Any, *rest: Any, **kw: Any) -> Any:
-        caller = sys._getframe(1)
-        outer = caller.f_back if caller.f_code is cw_code else None
-        if outer is None or outer.f_code is not gate_code:
+        outer = gate_frame_of(sys._getframe(1))
+        if outer is None:
             # Not the top frame of a gated call: upstream behaviour.
             return orig_cb_call(self, frame, cache_entry, frame_state, *rest, **kw)
         code = frame.f_code
