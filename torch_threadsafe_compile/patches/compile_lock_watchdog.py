@@ -25,7 +25,7 @@ SPEC = PatchSpec(
     id="compile_lock_watchdog",
     hazard="H4",
     summary="record waits on dynamo's compile_lock; TTC_WATCHDOG=<s> dumps stacks when one exceeds the bound",
-    upstream="compile_fx_backward takes compile_lock (torch 2.9+); see lazy_backward",
+    upstream="compile_fx_backward takes compile_lock (torch 2.6+); see lazy_backward",
     torch_versions=">=2.4",
     modules=("torch._dynamo.convert_frame",),
     tested="2.4.1 … 2.15.0",

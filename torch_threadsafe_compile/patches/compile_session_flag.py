@@ -26,7 +26,7 @@ SPEC = PatchSpec(
     id="compile_session_flag",
     hazard="H2",
     summary="torch.compiler.is_compiling() is True only in the thread that compiles",
-    upstream="https://github.com/pytorch/pytorch (process-global _is_compiling_flag held by _compile_session_context, 2.13+)",
+    upstream="pytorch/pytorch#184614 (held for the whole compile session, fixes #184547); flag is process-global",
     torch_versions=">=2.13",
     modules=("torch.compiler",),
     tested="2.13.0, 2.14.1, 2.15.0",

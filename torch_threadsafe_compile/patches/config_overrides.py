@@ -34,7 +34,7 @@ SPEC = PatchSpec(
     id="config_overrides",
     hazard="H6",
     summary="config assignments apply to every thread (config.patch stays thread-local)",
-    upstream="https://github.com/pytorch/pytorch/issues/118260 (per-thread config); ContextVar overrides since 2.12",
+    upstream="pytorch/pytorch#118260 (config patching across threads); ContextVar overrides since 2.12",
     torch_versions=">=2.12",
     modules=("torch.utils._config_module",),
     tested="2.12.1, 2.13.0, 2.14.1, 2.15.0",

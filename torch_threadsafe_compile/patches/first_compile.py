@@ -53,7 +53,7 @@ SPEC = PatchSpec(
     id="first_compile",
     hazard="H3",
     summary="threads that need the same graph wait for one compile instead of compiling it again",
-    upstream="dynamo compile_lock only queues compiles; recompile_limit then falls back to eager",
+    upstream="pytorch/pytorch#118260, #136833 (thread safety of torch.compile); compile_lock only queues compiles",
     torch_versions=">=2.4",
     modules=("torch._dynamo.eval_frame", "torch._dynamo.convert_frame"),
     after=("compile_lock_watchdog",),

@@ -20,7 +20,7 @@ How:
   with ``disable`` on import stays the one that runs.
 
 The legitimate same-thread error — ``fx.symbolic_trace`` of a module that calls a compiled function — stays.
-Upstream: pytorch/pytorch#142969-style reports of the false error; thread-local flag landed in 2.14.
+Upstream: pytorch/pytorch#118260 (dynamo is not thread safe); torch 2.14 made the flag thread-local.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ SPEC = PatchSpec(
     id="fx_tracing_flag",
     hazard="H1",
     summary="FX tracing flag per thread: no false 'symbolically trace a dynamo-optimized function' errors",
-    upstream="https://github.com/pytorch/pytorch/issues/ (global _is_fx_tracing_flag; thread-local from 2.14)",
+    upstream="pytorch/pytorch#118260 (dynamo is not thread safe); the flag became thread-local (_is_fx_tracing_tls) in 2.14",
     torch_versions=">=2.4,<2.14",
     fixed_in="2.14",
     modules=("torch.fx._symbolic_trace",),

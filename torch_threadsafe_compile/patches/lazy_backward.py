@@ -2,7 +2,7 @@
 
 AOTAutograd compiles the backward graph lazily, on the first ``.backward()``, inside the autograd engine;
 for CUDA tensors that runs on the engine's per-device worker thread, and ``compile_fx_backward`` takes
-dynamo's global ``compile_lock`` (torch 2.9 → 2.15). Meanwhile another thread that holds ``compile_lock``
+dynamo's global ``compile_lock`` (torch 2.6 → 2.15). Meanwhile another thread that holds ``compile_lock``
 while dynamo traces ``flex_attention``'s backward calls ``torch.autograd.grad``, which needs that same
 worker thread. Each waits for the other: the seed trainer hung in 3 of 3 cold-cache runs on an H200.
 
@@ -13,7 +13,7 @@ also compiles its backward even if ``.backward()`` is never called (inference un
 compiles no backward at all, so it pays nothing). A value the program sets itself is respected: this
 patch only changes the default, and only while the program has not set it.
 
-For torch 2.9 (the lock exists, the option does not) see ``compile_lock_watchdog``: the hang is detected
+For torch 2.6 → 2.9 (the lock exists, the option does not) see ``compile_lock_watchdog``: the hang is detected
 and reported instead of silent.
 """
 
@@ -31,7 +31,7 @@ SPEC = PatchSpec(
     id="lazy_backward",
     hazard="H4",
     summary="compile backward with the forward (force_non_lazy_backward_lowering) so the autograd engine never waits for compile_lock",
-    upstream="torch._functorch.config.force_non_lazy_backward_lowering (2.10+); compile_fx_backward takes compile_lock (2.9+)",
+    upstream="lazy backward since pytorch/pytorch#83367; compile_fx_backward takes compile_lock (2.6+); option force_non_lazy_backward_lowering",
     torch_versions=">=2.10",
     modules=("torch._functorch.config",),
     after=("config_overrides",),
