@@ -457,7 +457,49 @@ def run(name: str, env: dict[str, str] | None = None, timeout: float = 300, **kw
     return {"rc": p.returncode, "tail": (p.stderr or p.stdout)[-600:], "secs": round(time.time() - t0, 1)}
 
 
+def start_many(plan: list[tuple[str, dict[str, Any]]], env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    """Start one interpreter that runs several scenarios in turn (dynamo reset between them)."""
+    full_env = dict(os.environ)
+    full_env.update(env or {})
+    full_env.setdefault("PYTHONWARNINGS", "ignore")
+    args = [sys.executable, "-X", "faulthandler", "-m", "torch_threadsafe_compile.scenarios", "--many", json.dumps(plan)]
+    return subprocess.Popen(args, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def collect_many(proc: subprocess.Popen[str], timeout: float) -> dict[str, dict[str, Any]]:
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        return {"_error": {"timeout": True}}
+    res = {}
+    for line in out.splitlines():
+        if line.startswith("RESULT "):
+            item = json.loads(line[7:])
+            res[item.pop("_scenario")] = item
+    if proc.returncode:
+        res["_error"] = {"rc": proc.returncode, "tail": err[-600:]}
+    return res
+
+
+def _run_many(plan: list[tuple[str, dict[str, Any]]]) -> None:
+    for name, kwargs in plan:
+        if "torch._dynamo" in sys.modules:
+            import torch._dynamo
+            import torch._dynamo.utils
+
+            torch._dynamo.reset()
+            torch._dynamo.utils.counters.clear()
+        res = SCENARIOS[name](**kwargs)
+        res["_scenario"] = name
+        print("RESULT " + json.dumps(res), flush=True)
+
+
 def _main(argv: list[str]) -> int:
+    if argv[:1] == ["--many"] and len(argv) == 2:
+        _run_many([(n, kw) for n, kw in json.loads(argv[1])])
+        return 0
     if not argv or argv[0] not in SCENARIOS:
         print(f"usage: python -m torch_threadsafe_compile.scenarios {{{'|'.join(SCENARIOS)}}} [key=value ...]")
         return 2

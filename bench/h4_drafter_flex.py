@@ -1,0 +1,84 @@
+"""H4 on a GPU: the seed layout (drafter threads training with compiled flex_attention fwd+bwd, target
+threads running a compiled forward) with a cold inductor cache, repeated, unpatched and active.
+
+A run that does not finish within ``--timeout`` seconds is a hang: its stacks (faulthandler) are kept.
+
+    python bench/h4_drafter_flex.py --active-runs 5 --unpatched-runs 2 --timeout 90 [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+
+def one(disabled: bool, timeout: float, out_dir: str | None, tag: str) -> dict:
+    cache = tempfile.mkdtemp(prefix="ttc-h4-cache-")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TTC_")}
+    env.update(TORCHINDUCTOR_CACHE_DIR=cache, TRITON_CACHE_DIR=os.path.join(cache, "triton"), PYTHONUNBUFFERED="1")
+    if disabled:
+        env["TTC_DISABLE"] = "1"
+    else:
+        env["TTC_WATCHDOG"] = str(max(10, timeout / 3))
+    cmd = [sys.executable, "-X", "faulthandler", "-c",
+           "import faulthandler, sys, json; faulthandler.dump_traceback_later(%r, exit=True); "
+           "from torch_threadsafe_compile.scenarios import drafter_flex; r = drafter_flex(); "
+           "faulthandler.cancel_dump_traceback_later(); print('RESULT ' + json.dumps(r), flush=True)" % (timeout,)]
+    t0 = time.time()
+    try:
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout + 30)
+        out, err, rc = p.stdout, p.stderr, p.returncode
+    except subprocess.TimeoutExpired as e:
+        out, err, rc = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or ""), "", None
+    wall = round(time.time() - t0, 1)
+    shutil.rmtree(cache, ignore_errors=True)
+    res = [json.loads(line[7:]) for line in out.splitlines() if line.startswith("RESULT ")]
+    row = {"run": tag, "package": "TTC_DISABLE=1" if disabled else "active", "wall_s": wall}
+    if res:
+        row.update(completed=True, **res[0])
+    else:
+        row.update(completed=False, hung="Timeout" in err or rc is None or "Thread 0x" in err, rc=rc,
+                   watchdog="H4" in err)
+        if out_dir:
+            with open(os.path.join(out_dir, f"stacks-{tag}.txt"), "w") as fh:
+                fh.write(err[-200000:])
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--active-runs", type=int, default=5)
+    ap.add_argument("--unpatched-runs", type=int, default=2)
+    ap.add_argument("--timeout", type=float, default=90)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    import torch
+
+    print(json.dumps({"torch": torch.__version__, "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}))
+    rows = []
+    for i in range(a.unpatched_runs):
+        rows.append(one(True, a.timeout, a.out, f"unpatched-{i}"))
+        print(json.dumps(rows[-1]), flush=True)
+    for i in range(a.active_runs):
+        rows.append(one(False, a.timeout, a.out, f"active-{i}"))
+        print(json.dumps(rows[-1]), flush=True)
+    for pkg in ("TTC_DISABLE=1", "active"):
+        sel = [r for r in rows if r["package"] == pkg]
+        done = sum(r["completed"] for r in sel)
+        print(f"{pkg}: {done}/{len(sel)} completed, {sum(not r['completed'] for r in sel)} hung (> {a.timeout:g} s)")
+    if a.out:
+        with open(os.path.join(a.out, "h4.json"), "w") as fh:
+            json.dump(rows, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
