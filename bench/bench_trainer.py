@@ -92,6 +92,9 @@ def main() -> int:
     p.add_argument("--hang-timeout", type=float, default=600, help="passed to the trainer's watchdog")
     p.add_argument("--pythonpath", help="prepended to PYTHONPATH for both runs (e.g. an uninstalled checkout)")
     p.add_argument("--only", choices=["with", "without"], help="run one side only")
+    p.add_argument("--warm", action="store_true",
+                   help="share the user's inductor/triton caches (default: a fresh cache per run, so both sides "
+                        "pay cold compiles and time to first step is comparable)")
     p.add_argument("--md", help="also write the markdown table to this file")
     p.add_argument("--work-dir", help="keep run outputs here (default: a temporary directory)")
     a = p.parse_args()
@@ -106,9 +109,16 @@ def main() -> int:
     runs = [("with TTC", base), ("without TTC (--no-ttc)", base + ["--no-ttc"])]
     if a.only:
         runs = [runs[0]] if a.only == "with" else [runs[1]]
-    results = [run_one(label, args, env, work / f"run{i}", a.timeout) for i, (label, args) in enumerate(runs)]
+    results = []
+    for i, (label, args) in enumerate(runs):
+        run_env = dict(env)
+        if not a.warm:
+            run_env["TORCHINDUCTOR_CACHE_DIR"] = str(work / f"run{i}-inductor-cache")
+            run_env["TRITON_CACHE_DIR"] = str(work / f"run{i}-triton-cache")
+        results.append(run_one(label, args, run_env, work / f"run{i}", a.timeout))
     md = (f"### Trainer benchmark: preset `{a.preset}`{' ' + a.extra if a.extra else ''}"
-          f"{f', {a.steps} steps' if a.steps else ''}\n\n" + table(results) + "\n")
+          f"{f', {a.steps} steps' if a.steps else ''}, {'warm' if a.warm else 'cold'} compile caches\n\n"
+          + table(results) + "\n")
     first = [r["summary"].get("errors", {}).get("counted") for r in results if r["summary"]]
     if any(first):
         md += "\nCounted errors:\n" + "".join(f"- {r['label']}: `{json.dumps(r['summary']['errors']['counted'])[:400]}`\n"

@@ -1,8 +1,8 @@
 """H3 costs: warm-call overhead of the compile gate, and stampede wall time.
 
 1. Warm calls of a tiny compiled function (``x + 1`` on a 16-element tensor, backend ``aot_eager`` by
-   default): median per-call time over batches, in fresh interpreters alternating active and
-   TTC_DISABLE=1; reported as a ratio.
+   default): the same function compiled once without the gate (package uninstalled) and once with it,
+   in one process, alternating batches; median per-call time of each and their ratio.
 2. Stampede: 8 threads make the first call of one compiled function at the same moment; wall time of
    the stampede divided by the wall time of a single thread's first call (one compile), both active and
    unpatched.
@@ -14,23 +14,33 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _common import alternate, run_child  # noqa: E402
 
+# Both versions of the function live in one process: `plain` is compiled while the package is
+# uninstalled (no gate, upstream's wrapper), `gated` after install(). Batches alternate between them.
 WARM = """
 import time, statistics, json, torch
-f = torch.compile(lambda x: x + 1, backend={backend!r})
+import torch_threadsafe_compile as ttc
+ttc.uninstall()
+plain = torch.compile(lambda x: x + 1, backend={backend!r})
+ttc.install()
+gated = torch.compile(lambda x: x + 1, backend={backend!r})
+assert getattr(gated, "_ttc_gate", False) and not getattr(plain, "_ttc_gate", False)
 x = torch.randn(16)
-for _ in range(200): f(x)
-per = []
-for _ in range(30):
-    t0 = time.perf_counter()
-    for _ in range(2000): f(x)
-    per.append((time.perf_counter() - t0) / 2000)
-print(json.dumps(statistics.median(per)))
+for _ in range(300): plain(x); gated(x)
+per = {{"plain": [], "gated": []}}
+for i in range(40):
+    for name in (("plain", "gated") if i % 2 == 0 else ("gated", "plain")):
+        f = plain if name == "plain" else gated
+        t0 = time.perf_counter()
+        for _ in range(2000): f(x)
+        per[name].append((time.perf_counter() - t0) / 2000)
+print(json.dumps([statistics.median(per["gated"]), statistics.median(per["plain"])]))
 """
 
 STAMPEDE = """
@@ -56,9 +66,12 @@ def main() -> None:
     ap.add_argument("--backend", default="aot_eager")
     ap.add_argument("--threads", type=int, default=8)
     a = ap.parse_args()
-    warm = alternate(lambda d: json.loads(run_child(WARM.format(backend=a.backend), d)), a.rounds)
-    print(f"warm call ({a.backend}): active {warm['active_median']*1e6:.2f} us, TTC_DISABLE=1 {warm['unpatched_median']*1e6:.2f} us, "
-          f"ratio {warm['ratio']:.3f} (median of {a.rounds} alternating interpreters x 30 batches of 2000 calls)")
+    runs = [json.loads(run_child(WARM.format(backend=a.backend), False)) for _ in range(a.rounds)]
+    gated = statistics.median(r[0] for r in runs)
+    plain = statistics.median(r[1] for r in runs)
+    ratios = sorted(r[0] / r[1] for r in runs)
+    print(f"warm call ({a.backend}): gated {gated*1e6:.2f} us, upstream wrapper {plain*1e6:.2f} us, ratio {gated / plain:.3f} "
+          f"(per-interpreter ratios {ratios[0]:.3f}..{ratios[-1]:.3f}; {a.rounds} interpreters x 40 alternating batches of 2000 calls)")
     res = {}
     for disabled in (False, True):
         runs = [json.loads(run_child(STAMPEDE.format(backend=a.backend, n=a.threads), disabled)) for _ in range(3)]

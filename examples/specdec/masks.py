@@ -75,9 +75,12 @@ def build_mask(mask_mod: MaskMod, batch: int, q_len: int, kv_len: int, device: t
     return dense_mask(mask_mod, batch, q_len, kv_len, torch.device(device))
 
 
-def target_mask(doc: torch.Tensor) -> Mask:
-    """Document-causal mask for the target over a packed ``[B, S]`` batch."""
+def target_mask(doc: torch.Tensor, dense: bool = False) -> Mask:
+    """Document-causal mask for the target over a packed ``[B, S]`` batch (``dense``: always a bool tensor, for
+    targets that cannot take a BlockMask, e.g. Hugging Face models)."""
     batch, seq = doc.shape
+    if dense:
+        return dense_mask(document_causal_mod(doc), batch, seq, seq, doc.device)
     return build_mask(document_causal_mod(doc), batch, seq, seq, doc.device)
 
 

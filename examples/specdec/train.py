@@ -36,7 +36,7 @@ import json  # noqa: E402
 import queue  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
-from dataclasses import asdict, dataclass, field  # noqa: E402
+from dataclasses import dataclass, field  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any, Callable, Dict, List, Optional, Tuple  # noqa: E402
 
@@ -57,16 +57,17 @@ PRESETS: Dict[str, Dict[str, Any]] = {
     # several threads sharing one GPU.
     "cuda-small": dict(devices="cuda:0", target_threads=3, drafter_threads=2, steps=1000, batch_size=8,
                        seq_len=512, vocab_size=2048, target_dim=256, target_layers=6, target_heads=4,
-                       target_ffn=704, ttt_steps=4, lr=1e-3, eval_every=100, log_every=50),
+                       target_ffn=704, ttt_steps=4, lr=3e-3, prior_strength=1.0, eval_every=100, log_every=50),
     # 5 target + 3 drafter threads spread round robin over every visible GPU.
     "multi-gpu": dict(devices="cuda", target_threads=5, drafter_threads=3, steps=2000, batch_size=8,
                       seq_len=1024, vocab_size=4096, target_dim=512, target_layers=8, target_heads=8,
-                      target_ffn=1408, ttt_steps=5, lr=1e-3, eval_every=200, log_every=50),
+                      target_ffn=1408, ttt_steps=5, lr=2e-3, prior_strength=1.0, eval_every=200, log_every=50),
 }
 
 DEFAULTS: Dict[str, Any] = dict(
     devices="auto", target_threads=1, drafter_threads=1, steps=200, batch_size=4, seq_len=128, vocab_size=256,
-    target_dim=128, target_layers=4, target_heads=4, target_ffn=256, ttt_steps=3, lr=3e-3, eval_every=50,
+    target_dim=128, target_layers=4, target_heads=4, target_ffn=256, ttt_steps=3, lr=3e-3, prior_strength=0.5,
+    eval_every=50,
     log_every=25,
 )
 
@@ -90,8 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--target-layers", type=int)
     g.add_argument("--target-heads", type=int)
     g.add_argument("--target-ffn", type=int)
-    g.add_argument("--prior-strength", type=float, default=0.5,
-                   help="weight of the synthetic chain's bigram prior in the built-in target's logits (0: off)")
+    g.add_argument("--prior-strength", type=float,
+                   help="weight of the synthetic chain's bigram prior in the built-in target's logits (0: off; "
+                        "larger vocabularies need more to keep the greedy target learnable in few steps)")
     g.add_argument("--target-topk", type=int, default=0,
                    help="target logits sent to drafters: top-k (0 = full vocabulary)")
     g.add_argument("--ttt-steps", type=int, help="k: training-time-test unroll depth = tokens drafted per round")
@@ -125,7 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--error-policy", choices=["raise", "count"],
                    help="errors from compiled calls: stop the run (default) or count and retry (default with "
                         "--no-ttc)")
-    g.add_argument("--max-retries", type=int, default=100000, help="consecutive failures of one call, 'count' mode")
+    g.add_argument("--retry-timeout", type=float, default=600.0,
+                   help="'count' mode: give up on a call after failing this long (s)")
     g.add_argument("--hang-timeout", type=float, default=900.0,
                    help="no drafter step for this long (s) = hang: dump all thread stacks, exit 3")
     g.add_argument("--dist-timeout", type=float, default=1800.0, help="torch.distributed timeout (s)")
@@ -214,18 +217,24 @@ class Run:
     reducer: Optional[ThreadAllReduce] = None
 
     def call(self, where: str, fn: Callable[[], Any]) -> Any:
-        """Run one compiled call under the error policy: 'raise' propagates, 'count' counts and retries."""
-        failures = 0
+        """Run one compiled call under the error policy: 'raise' propagates; 'count' counts the error and retries
+        with a growing pause (1 ms .. 100 ms: the usual cause, another thread's compile, takes seconds), giving up
+        after ``--retry-timeout`` seconds of consecutive failures."""
+        first_failure: Optional[float] = None
+        pause = 0.001
         while True:
             if self.stop.is_set():
                 raise Stopped
             try:
                 return fn()
             except Exception as e:
-                if self.args.error_policy == "raise" or failures >= self.args.max_retries:
+                now = time.monotonic()
+                first_failure = first_failure if first_failure is not None else now
+                if self.args.error_policy == "raise" or now - first_failure > self.args.retry_timeout:
                     raise
-                failures += 1
                 self.errors.count(where, e)
+                time.sleep(pause)
+                pause = min(0.1, pause * 2)
 
     def halt(self) -> None:
         self.stop.set()
@@ -361,6 +370,8 @@ def train(args: argparse.Namespace) -> int:
     devices = parse_devices(args.devices)
     if any(d.type == "cpu" for d in devices) or args.torch_threads:
         torch.set_num_threads(args.torch_threads or 1)
+    if any(d.type == "cuda" for d in devices):
+        torch.set_float32_matmul_precision("high")  # TF32 matmuls for the float32 models
     T, D = args.target_threads, args.drafter_threads
     t_dev = [devices[j % len(devices)] for j in range(T)]
     d_dev = [devices[(T + d) % len(devices)] for d in range(D)]
@@ -442,7 +453,7 @@ def train(args: argparse.Namespace) -> int:
             if j == 0:
                 inject_fault(args, "target", s)
             batch = data.batch((s * world + rank) * D + d).to(dev)  # global batch index: pure function of step
-            mask = masks.target_mask(batch.doc)
+            mask = masks.target_mask(batch.doc, dense=isinstance(target_cpu, models.HFTarget))
 
             def forward():
                 with torch.no_grad():
