@@ -48,6 +48,7 @@ PLAIN_PIP_VERSIONS = {"2.13.0"}
 TORCH_EXTRAS = ["wrapt", "packaging", "numpy"]
 
 _print_lock = threading.Lock()
+_children: "set[subprocess.Popen[str]]" = set()  # running scenario processes, killed if we are stopped
 
 
 def log(msg: str) -> None:
@@ -64,9 +65,11 @@ class Row:
 
     def __init__(self, key: str, hazard: str, title: str, scenario: str, kwargs: Dict[str, Any], patch: Optional[str],
                  bad: Callable[[Dict[str, Any]], bool], show: Callable[[Dict[str, Any]], str],
-                 needs: Tuple[str, ...]) -> None:
+                 needs: Tuple[str, ...],
+                 control: Optional[Callable[[Dict[str, Any], Dict[str, Any]], Optional[str]]] = None) -> None:
         self.key, self.hazard, self.title, self.scenario, self.kwargs = key, hazard, title, scenario, kwargs
         self.patch, self.bad, self.show, self.needs = patch, bad, show, needs
+        self.control = control  # (unpatched, active) -> what the package broke, or None
 
     @property
     def invocation(self) -> str:
@@ -115,14 +118,18 @@ def _config_show(r: Dict[str, Any]) -> str:
 
 
 def _compiling_bad(r: Dict[str, Any]) -> bool:
-    return r["true_in_eager_thread"] > 0 or not r["compiling_thread_saw_true"]
+    return r["true_in_eager_thread"] > 0
 
 
 def _compiling_show(r: Dict[str, Any]) -> str:
-    s = f"{_n(r['true_in_eager_thread'])} true polls"
-    if not r["compiling_thread_saw_true"]:
-        s += " (compiling thread saw False)"
-    return s
+    return f"{_n(r['true_in_eager_thread'])} true polls"
+
+
+def _compiling_control(u: Dict[str, Any], a: Dict[str, Any]) -> Optional[str]:
+    # Before 2.13 is_compiling() is False inside a backend (only dynamo-traced code sees True): compare, not demand.
+    if u["compiling_thread_saw_true"] and not a["compiling_thread_saw_true"]:
+        return "the compiling thread's backend no longer sees is_compiling() == True"
+    return None
 
 
 def _errors_show(r: Dict[str, Any]) -> str:
@@ -137,7 +144,8 @@ ROWS: List[Row] = [
     Row("fx_same_thread", "H1", "control: same-thread nested-trace error kept, FX/make_fx/export work",
         "fx_same_thread", {}, "fx_tracing_flag", _same_thread_bad, _same_thread_show, ("nested_raised",)),
     Row("is_compiling_leak", "H2", "is_compiling() True in an eager thread", "is_compiling_leak", {"seconds": 2},
-        "compile_session_flag", _compiling_bad, _compiling_show, ("true_in_eager_thread", "compiling_thread_saw_true")),
+        "compile_session_flag", _compiling_bad, _compiling_show, ("true_in_eager_thread", "compiling_thread_saw_true"),
+        _compiling_control),
     Row("config_threads", "H6", "main thread sets recompile_limit=64: value seen by a new thread / a backward compile", "config_threads", {},
         "config_overrides", _config_bad, _config_show, ("new_thread_sees", "backward_compile_sees")),
     Row("stampede", "H3", "first-call stampede: one compile per thread (2 shapes, expect 2 graphs)", "stampede",
@@ -202,6 +210,22 @@ def _signal_name(rc: int) -> str:
     return ""
 
 
+def _kill_group(p: "subprocess.Popen[str]") -> None:
+    try:
+        os.killpg(p.pid, signal.SIGKILL)  # the child leads its own session: this is its group only
+    except (ProcessLookupError, PermissionError):
+        try:
+            p.kill()
+        except OSError:
+            pass
+
+
+def _on_stop(signum: int, _frame: Any) -> None:
+    for p in list(_children):
+        _kill_group(p)
+    raise SystemExit(128 + signum)
+
+
 def run_proc(cmd: List[str], env: Dict[str, str], timeout: float, cwd: Optional[str] = None) -> Dict[str, Any]:
     """Run ``cmd`` in its own process group; on timeout kill that group. Never raises for the child's sake."""
     t0 = time.monotonic()
@@ -210,16 +234,16 @@ def run_proc(cmd: List[str], env: Dict[str, str], timeout: float, cwd: Optional[
                              errors="replace", start_new_session=True)
     except OSError as e:
         return {"rc": None, "stdout": "", "stderr": f"{type(e).__name__}: {e}", "timeout": False, "secs": 0.0}
+    _children.add(p)
     try:
         out, err = p.communicate(timeout=timeout)
         timed_out = False
     except subprocess.TimeoutExpired:
-        try:
-            os.killpg(p.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            p.kill()
+        _kill_group(p)
         out, err = p.communicate()
         timed_out = True
+    finally:
+        _children.discard(p)
     return {"rc": p.returncode, "stdout": out or "", "stderr": err or "", "timeout": timed_out,
             "secs": round(time.monotonic() - t0, 1)}
 
@@ -505,9 +529,16 @@ def hazard_cell(row: Row, vres: Dict[str, Any], findings: List[str]) -> str:
             if row.bad(a):
                 findings.append(f"torch {v}: `{row.invocation}` unpatched {uv}; active still bad: {av} ({st})")
             return f"unpatched failed, {verdict}: {uv} → {av} ({st})"
-        findings.append(f"torch {v}: `{row.invocation}` fails in both modes: {uv} / {av}")
+        findings.append(f"torch {v}: `{row.invocation}` fails in both modes (with and without the package): "
+                        f"{uv} / {av}")
+        if uv == av:
+            return f"failed both: {uv} ({st})"
         return f"failed both: {uv} → {av} ({st})"
     bu, ba = row.bad(u), row.bad(a)
+    broke = row.control(u, a) if row.control else None
+    if broke:
+        findings.append(f"torch {v}: `{row.invocation}` when active: {broke} ({st})")
+        return f"BROKEN: {broke}; {uv} → {av} ({st})"
     if row.key == "fx_same_thread":
         if not ba:
             return f"kept ({uv} → {av})" if not bu else f"fixed?! ({uv} → {av}; {st})"
@@ -537,7 +568,7 @@ def patch_cell(patch_id: str, vres: Dict[str, Any], findings: List[str]) -> str:
         return f"doctor {act['short']}"
     p = patch_state(vres, patch_id)
     if p is None:
-        return "not listed"
+        return "not in the package when this version ran"
     text = _state_text(p)
     if p["state"] == "failed":
         findings.append(f"torch {vres['version']}: patch {patch_id} failed: {SCRUB(p.get('reason', ''))}")
@@ -581,7 +612,21 @@ def command_line(argv: List[str], reuse_labels: Dict[str, str]) -> str:
     return " ".join(shlex.quote(x) if not x.endswith("=<venv>") and not x.startswith("<dir>") else x for x in parts)
 
 
-def render(results: List[Dict[str, Any]], rows: List[Row], cmd: str, started: str, total_s: float) -> str:
+def repo_revision() -> str:
+    """HEAD's short hash, plus '+ local changes' when the package's files differ from it."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=30).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "torch_threadsafe_compile", "sitecustomize",
+                                "setup.py", "setup.cfg", "pyproject.toml"], cwd=ROOT, capture_output=True, text=True,
+                               timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return (head or "unknown") + (" + local changes to the package" if dirty else "")
+
+
+def render(results: List[Dict[str, Any]], rows: List[Row], cmd: str, started: str, total_s: float,
+           revision: str) -> str:
     findings: List[str] = []
     versions = [r["version"] for r in results]
     patch_ids: List[str] = []
@@ -602,7 +647,7 @@ def render(results: List[Dict[str, Any]], rows: List[Row], cmd: str, started: st
     w("```")
     w("")
     pyvers = sorted({r.get("venv", {}).get("python", "?") for r in results if "venv" in r})
-    w(f"- date: {started} (UTC), {total_s / 60:.1f} min")
+    w(f"- date: {started} (UTC), {total_s / 60:.1f} min; package at commit {revision}")
     w(f"- python: {', '.join(pyvers) or '?'} in the venvs (driver: {platform.python_version()}), "
       f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs")
     w("- every scenario ran once, on CPU, in a fresh interpreter from a neutral directory; numbers are single runs "
@@ -736,6 +781,8 @@ def render(results: List[Dict[str, Any]], rows: List[Row], cmd: str, started: st
 
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    signal.signal(signal.SIGTERM, _on_stop)
+    signal.signal(signal.SIGINT, _on_stop)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--venv-root", default=str(ROOT / ".venvs"), help="where torch-<V> venvs live (default: .venvs/)")
@@ -769,10 +816,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.from_json:
         dump = json.loads(Path(args.from_json).read_text())
         results, cmd, started, total = dump["results"], dump["command"], dump["date"], dump["secs"]
+        revision = dump.get("revision", "unknown")
         keys = set(dump.get("rows") or [r.key for r in ROWS])
         rows = [r for r in ROWS if r.key in keys]
     else:
         cmd = command_line(argv, {})
+        revision = repo_revision()
         started = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M")
         t0 = time.monotonic()
         jobs = []
@@ -793,11 +842,14 @@ def main(argv: Optional[List[str]] = None) -> int:
             with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as ex:
                 results = list(ex.map(one, jobs))
         total = time.monotonic() - t0
+        end_revision = repo_revision()
+        if end_revision != revision:
+            revision = f"{revision} at the start, {end_revision} at the end (the package changed during the run)"
         if args.json:
-            dump = {"command": cmd, "date": started, "secs": total, "rows": [r.key for r in rows], "results": results}
+            dump = {"command": cmd, "date": started, "secs": total, "revision": revision, "rows": [r.key for r in rows], "results": results}
             Path(args.json).write_text(SCRUB(json.dumps(dump, indent=1, default=str)))
 
-    doc = render(results, rows, cmd, started, total)
+    doc = render(results, rows, cmd, started, total, revision)
     out = Path(args.out).expanduser()
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(doc)

@@ -32,7 +32,7 @@ HEADER = (
     "| torch | device | TTC | threads | functions | duration s | calls | errors | hangs | uncompiled calls "
     "| max \\|diff\\| vs eager (f32 / f64) | compiles / expected graphs (guard sets) | first error |"
 )
-SEP = "|" + "---|" * HEADER.count("|")[:-1] if False else "|" + "---|" * (HEADER.count(" | ") + 1)
+SEP = "|" + "---|" * (HEADER.count(" | ") + 1)
 
 
 def fmt_diff(res: dict[str, Any]) -> str:
@@ -46,6 +46,8 @@ def row(res: dict[str, Any]) -> str:
     if "calls" not in res:
         what = "timed out (hang)" if res.get("timeout") else f"no result (rc={res.get('rc')})"
         return f"| ? | ? | {ttc} | | | | | | {what} | | | | |"
+    if res.get("import_dynamo_first"):
+        ttc += ", `import torch._dynamo` first"
     failed = (res.get("ttc") or {}).get("failed") or {}
     if failed and not res.get("disable"):
         ttc += " (failed patches: " + ", ".join(sorted(failed)) + ")"
@@ -67,6 +69,7 @@ def config_from(args: argparse.Namespace) -> harness.SoakConfig:
         tracers=args.tracers,
         flex=args.flex,
         seed=args.seed,
+        device=args.device,
         import_dynamo_first=args.import_dynamo_first,
     )
 
@@ -79,6 +82,8 @@ def command_line(args: argparse.Namespace, disable: bool) -> str:
         parts += ["--backend", args.backend]
     if args.flex:
         parts.append("--flex")
+    if args.device != "cpu":
+        parts += ["--device", args.device]
     if args.import_dynamo_first:
         parts.append("--import-dynamo-first")
     if disable:
@@ -111,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backend", default="aot_eager", help="aot_eager (default, fast on CPU) or inductor")
     p.add_argument("--flex", action="store_true", help="add a flex_attention forward function (slow compile on CPU)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu", help="cpu or cuda (inputs and module copies on that device)")
     p.add_argument("--import-dynamo-first", action="store_true",
                    help="`import torch._dynamo` before the first torch.compile (works around a package bug, see docs)")
     p.add_argument("--disable", action="store_true", help="run with TTC_DISABLE=1")

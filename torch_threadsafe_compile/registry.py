@@ -30,6 +30,7 @@ log = logging.getLogger("torch_threadsafe_compile")
 # compile gate, whose verification compiles nothing but reads them.
 PATCH_MODULES: tuple[str, ...] = (
     "fx_tracing_flag",  # H1
+    "fx_patcher",  # H7
     "compile_session_flag",  # H2
     "config_overrides",  # H6
     "lazy_backward",  # H4

@@ -123,6 +123,76 @@ def fx_flag_poll(seconds: float = 2.0) -> dict[str, Any]:
 
 
 @scenario
+def fx_patcher_leak(seconds: float = 2.0, tracers: int = 2) -> dict[str, Any]:
+    """H7 (FX patcher): ``tracers`` threads run fx.symbolic_trace in a loop while another thread runs the same
+    kind of module eagerly; errors and wrong results in either are counted."""
+    import torch
+    import torch.fx
+
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.relu(self.lin(x)) + 1
+
+    class M(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = torch.nn.Sequential(*[Block() for _ in range(4)])
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.blocks(x)
+
+    stop = threading.Event()
+    errors: dict[str, int] = {}
+    counts = {"traces": 0, "eager_calls": 0, "wrong": 0}
+    lock = threading.Lock()
+
+    def note(e: BaseException) -> None:
+        key = f"{type(e).__name__}: {str(e)[:60]}"
+        with lock:
+            errors[key] = errors.get(key, 0) + 1
+
+    def tracer() -> None:
+        m = M()
+        x = torch.randn(2, 8)
+        t_end = time.time() + seconds
+        try:
+            while time.time() < t_end:
+                try:
+                    gm = torch.fx.symbolic_trace(m)
+                    if not torch.allclose(gm(x), m(x)):
+                        counts["wrong"] += 1
+                    counts["traces"] += 1
+                except Exception as e:
+                    note(e)
+        finally:
+            stop.set()
+
+    def runner() -> None:
+        m = M()
+        x = torch.randn(2, 8)
+        with torch.no_grad():
+            ref = m(x)
+            while not stop.is_set():
+                try:
+                    if not torch.allclose(m(x), ref):
+                        counts["wrong"] += 1
+                    counts["eager_calls"] += 1
+                except Exception as e:
+                    note(e)
+
+    ts = [threading.Thread(target=tracer) for _ in range(tracers)] + [threading.Thread(target=runner)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    return {**counts, "errors": sum(errors.values()), "kinds": list(errors)[:3]}
+
+
+@scenario
 def fx_same_thread(backend: str = "aot_eager") -> dict[str, Any]:
     """H1 control: FX-tracing a module that calls a compiled fn must still raise, in the same thread;
     plain symbolic_trace / make_fx / export must still work."""

@@ -74,6 +74,7 @@ class SoakConfig:
     slow_s: float = 4.0  # slow_compile: seconds the victim's backend sleeps
     import_dynamo_first: bool = False  # `import torch._dynamo` before any torch.compile (see docs)
     dim: int = 16  # feature size of the inputs
+    device: str = "cpu"  # "cuda" on a GPU machine: inputs and module copies live there
     kinds: Optional[list[str]] = None  # restrict the kinds cycled through (diagnosis); default KINDS
 
     def effective_deadline(self) -> float:
@@ -180,7 +181,7 @@ def _build_functions(cfg: SoakConfig, torch: Any) -> list[Fn]:
                 if key not in ts.models:
                     m = cls()
                     m.load_state_dict(base_block.state_dict())
-                    m = m.to(getattr(torch, dt))
+                    m = m.to(device=cfg.device, dtype=getattr(torch, dt))
                     if kind == "mod_compile":
                         ts.models[key] = (torch.compile(m, backend=backend, dynamic=False), m)
                     else:
@@ -244,10 +245,10 @@ def _build_functions(cfg: SoakConfig, torch: Any) -> list[Fn]:
                 if key not in ts.models:
                     m = cls()
                     m.load_state_dict(base_block.state_dict())
-                    m = m.to(getattr(torch, dt))
+                    m = m.to(device=cfg.device, dtype=getattr(torch, dt))
                     ts.models[key] = (torch.compile(m, backend=backend, dynamic=False), m, torch.optim.SGD(m.parameters(), lr=1e-3))
                 compiled, plain, opt = ts.models[key]
-                target = torch.ones(x.shape[0], 4, dtype=x.dtype)
+                target = torch.ones(x.shape[0], 4, dtype=x.dtype, device=x.device)
                 # Eager first, on the same parameters, then the compiled step that updates them.
                 opt.zero_grad(set_to_none=True)
                 loss_e = ((plain.forward(x) - target) ** 2).mean()
@@ -399,9 +400,9 @@ class _Recorder:
         self.max_diff: dict[str, float] = {}
         self.exercised: set[tuple[Any, ...]] = set()
         self.tracer_ops = 0
+        self.calls_by_fn: dict[str, int] = {}
         self.dead_threads: list[str] = []
         self.victim_max_call_s = 0.0
-        self.other_max_warm_call_s = 0.0
 
     def error(self, where: str, e: BaseException) -> None:
         with self.lock:
@@ -460,7 +461,7 @@ def run_soak(cfg: SoakConfig) -> dict[str, Any]:
             for f, dt, shape, grad in order:
                 if stop.is_set():
                     break
-                x = torch.randn(*shape, generator=gen, dtype=getattr(torch, dt))
+                x = torch.randn(*shape, generator=gen, dtype=getattr(torch, dt)).to(cfg.device)
                 t0 = time.monotonic()
                 try:
                     out_c, out_e = f.run(ts, x, dt)
@@ -479,6 +480,7 @@ def run_soak(cfg: SoakConfig) -> dict[str, Any]:
                 diff = _max_diff(torch, out_c, out_e)
                 with rec.lock:
                     rec.calls += 1
+                    rec.calls_by_fn[f.name] = rec.calls_by_fn.get(f.name, 0) + 1
                     rec.exercised.add(f.guard_key(dt, shape, grad))
                     rec.max_diff[dt] = max(rec.max_diff.get(dt, 0.0), diff)
                     if f.victim:
@@ -537,7 +539,7 @@ def run_soak(cfg: SoakConfig) -> dict[str, Any]:
         expected_graphs = sum(by_kind[k[0]] for k in exercised)
         result: dict[str, Any] = {
             "torch": torch.__version__,
-            "device": "cpu",
+            "device": cfg.device,
             "ttc": _ttc_state(),
             "threads": cfg.threads,
             "functions": len(fns),
@@ -545,8 +547,10 @@ def run_soak(cfg: SoakConfig) -> dict[str, Any]:
             "duration": cfg.duration,
             "backend": cfg.backend,
             "fault": cfg.fault,
+            "import_dynamo_first": cfg.import_dynamo_first,
             "wall_s": round(wall, 1),
             "calls": rec.calls,
+            "calls_by_fn": rec.calls_by_fn,
             "tracer_ops": rec.tracer_ops,
             "errors": rec.errors,
             "error_msgs": rec.error_msgs,
@@ -568,6 +572,7 @@ def run_soak(cfg: SoakConfig) -> dict[str, Any]:
             "victim_backend_calls": _fault_backend[0].calls if _fault_backend else None,
             "victim_faults": _fault_backend[0].faults if _fault_backend else None,
             "victim_max_call_s": round(rec.victim_max_call_s, 2),
+            "victim_guard_sets": sum(1 for k in exercised if k[0] == "victim"),
             "first_compile": _first_compile_totals(),
         }
     result["uncompiled_calls"] = result["uncompiled_frames"] + result["recompile_limit_breaks"]

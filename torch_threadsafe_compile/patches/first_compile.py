@@ -113,6 +113,16 @@ stats = _Stats()
 _state: dict[str, Any] = {}
 
 
+def _cache_entry_lister() -> Callable[[types.CodeType], list[Any]] | None:
+    """The C function listing a code object's cache entries. Reached as an attribute: on torch 2.4
+    ``torch._C._dynamo.eval_frame`` is not registered in ``sys.modules``."""
+    import torch
+
+    ef = getattr(getattr(getattr(torch, "_C", None), "_dynamo", None), "eval_frame", None)
+    fn = getattr(ef, "_debug_get_cache_entry_list", None)
+    return fn if callable(fn) else None
+
+
 def _modules() -> tuple[Any, Any]:
     return sys.modules["torch._dynamo.eval_frame"], sys.modules["torch._dynamo.convert_frame"]
 
@@ -155,7 +165,7 @@ def check() -> str | None:
     params = list(inspect.signature(cew.__dict__["__call__"]).parameters)
     if params[:4] != ["self", "frame", "cache_entry", "frame_state"]:
         return f"CatchErrorsWrapper.__call__{tuple(params)} has an unexpected signature"
-    if not hasattr(getattr(sys.modules.get("torch._C._dynamo.eval_frame"), "_debug_get_cache_entry_list", None), "__call__"):
+    if _cache_entry_lister() is None:
         return "torch._C._dynamo.eval_frame._debug_get_cache_entry_list not found"
     return None
 
@@ -164,7 +174,7 @@ def apply(changes: Changes) -> dict[str, Any]:
     ef, cf = _modules()
     ctx_cls = ef._TorchDynamoContext
     cw_code = _find_nested_code(ctx_cls, ("compile_wrapper", "_fn"))
-    get_entries = sys.modules["torch._C._dynamo.eval_frame"]._debug_get_cache_entry_list
+    get_entries = _cache_entry_lister()
     orig_cb_call = cf.CatchErrorsWrapper.__dict__["__call__"]
 
     def make_gate(compile_wrapper: Callable[..., Any]) -> Callable[..., Any]:
