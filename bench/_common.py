@@ -22,7 +22,9 @@ def child_env(disabled: bool) -> dict[str, str]:
 
 
 def run_child(code: str, disabled: bool, args: tuple[str, ...] = ()) -> str:
-    p = subprocess.run([sys.executable, *args, "-c", code], env=child_env(disabled), capture_output=True, text=True, check=True)
+    p = subprocess.run([sys.executable, *args, "-c", code], env=child_env(disabled), capture_output=True, text=True)
+    if p.returncode:
+        raise RuntimeError(f"benchmark child failed (rc={p.returncode}):\n{p.stderr[-2000:]}")
     return p.stdout
 
 
