@@ -24,6 +24,27 @@ def torch_version():
     return Version(Version(version("torch")).base_version)
 
 
+def cuda_build_without_gpu() -> bool:
+    """A CUDA build of torch on a machine without a GPU (e.g. torch 2.11 from PyPI on a CPU machine).
+
+    There, ``FakeTensorMode.__enter__`` (every compile) re-registers a CUDA device-guard implementation
+    while other threads dispatch ops, and the process can segfault, with or without this package
+    (docs/hazards.md, H3). Tests that run compiled code in some threads while others compile skip there.
+    """
+    import importlib.util
+    import re
+
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.origin:
+        return False
+    try:  # torch/version.py, read as text so that the test process does not import torch
+        text = Path(spec.origin).with_name("version.py").read_text()
+    except OSError:
+        return False
+    built_for_cuda = re.search(r"^cuda\b[^=]*=\s*['\"]\d", text, re.M) is not None
+    return built_for_cuda and not os.path.exists("/dev/nvidia0")
+
+
 def run_py(code: str, env: dict[str, str] | None = None, timeout: float = 240, cwd: str | None = None,
            args: list[str] | None = None) -> subprocess.CompletedProcess[str]:
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("TTC_")}
