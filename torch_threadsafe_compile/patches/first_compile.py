@@ -26,7 +26,12 @@ This patch makes the waiting threads look again:
   top frame too. With forward (pre-)hooks registered, the hooks would run twice on a retry: such calls
   compile as upstream;
 * inner frames (graph-break continuations, functions called from compiled code) cannot be retried that
-  way; they are serialized by ``compile_lock`` as upstream.
+  way; they are serialized by ``compile_lock`` as upstream. To keep them from being compiled once per
+  waiting thread anyway, a thread served by another's compile waits (holding no lock) until that other
+  thread's call has returned — by then its continuations are compiled and cached — bounded to
+  ``FOLLOW_FACTOR`` times the first compile's duration (1 s … ``FOLLOW_MAX_S``), so that threads that
+  depend on each other inside a first call cannot hang. Threads that arrive after the first graph was
+  compiled but before its continuations were can still compile a continuation again.
 
 No new lock is introduced (``compile_lock`` is dynamo's own RLock, taken a few lines earlier than
 upstream), so no new lock-order can deadlock. A compile that raises releases the lock on the way out and
@@ -61,6 +66,12 @@ SPEC = PatchSpec(
 )
 
 MAX_RETRIES = 3
+# A thread served by another thread's compile first waits (no lock held) until that thread's gated call has
+# returned, so that the frames this call compiles *after* its first graph (graph-break continuations) are
+# compiled once too instead of by every waiting thread. Bounded: at most this many times the first
+# compile's duration (at least 1 s, at most FOLLOW_MAX_S), so no dependency between the threads can hang.
+FOLLOW_FACTOR = 4.0
+FOLLOW_MAX_S = 10.0
 
 
 class _Retry(BaseException):
@@ -111,6 +122,34 @@ class _Stats:
 
 stats = _Stats()
 _state: dict[str, Any] = {}
+# code object -> (thread ident, id of that thread's gate frame, compile seconds) of a first call in flight.
+_inflight: dict[types.CodeType, tuple[int, int, float]] = {}
+
+
+def _frame_on_stack(top: Any, frame_id: int, gate_code: types.CodeType) -> bool:
+    f, depth = top, 0
+    while f is not None and depth < 1000:
+        if id(f) == frame_id and f.f_code is gate_code:
+            return True
+        f, depth = f.f_back, depth + 1
+    return False
+
+
+def _follow_first_call(code: types.CodeType, gate_code: types.CodeType) -> None:
+    """Wait, bounded, until the call that compiled ``code`` in another thread has returned."""
+    info = _inflight.get(code)
+    if info is None or info[0] == threading.get_ident():
+        return
+    ident, frame_id, compile_s = info
+    deadline = time.monotonic() + min(FOLLOW_MAX_S, max(1.0, FOLLOW_FACTOR * compile_s))
+    while time.monotonic() < deadline:
+        top = sys._current_frames().get(ident)
+        if top is None or not _frame_on_stack(top, frame_id, gate_code):
+            if _inflight.get(code) is info:
+                _inflight.pop(code, None)
+            return
+        del top
+        time.sleep(0.002)
 
 
 def _cache_entry_lister() -> Callable[[types.CodeType], list[Any]] | None:
@@ -243,10 +282,16 @@ def apply(changes: Changes) -> dict[str, Any]:
         t0 = time.perf_counter()
         with cf.compile_lock:  # read at call time: compile_lock_watchdog may have wrapped it
             waited = time.perf_counter() - t0
-            if outer.f_locals.get("attempt", MAX_RETRIES) < MAX_RETRIES and matching_entry(frame):
-                stats.record(code, "served_by_other_thread", waited)
-                raise _Retry()
-            result = orig_cb_call(self, frame, cache_entry, frame_state, *rest, **kw)
+            served = outer.f_locals.get("attempt", MAX_RETRIES) < MAX_RETRIES and matching_entry(frame)
+            if not served:
+                t1 = time.perf_counter()
+                result = orig_cb_call(self, frame, cache_entry, frame_state, *rest, **kw)
+                if getattr(result, "guarded_code", result) is not None:
+                    _inflight[code] = (threading.get_ident(), id(outer), time.perf_counter() - t1)
+        if served:
+            stats.record(code, "served_by_other_thread", waited)
+            _follow_first_call(code, gate_code)  # outside the lock
+            raise _Retry()
         if getattr(result, "guarded_code", result) is not None:
             stats.record(code, "compiles", waited)
         return result

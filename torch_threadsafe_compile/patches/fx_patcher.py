@@ -97,6 +97,28 @@ def _remove(container: Any, name: str, is_dict: bool) -> None:
             pass
 
 
+_hidden = False
+
+
+def _hide_from_dynamo() -> None:
+    """Tell dynamo never to compile the dispatcher's own frame.
+
+    While a compile's ``make_fx`` has ``Module.__call__`` patched, other threads running modules enter the
+    dispatcher; with their eval-frame callback active, dynamo would compile the dispatcher as a frame of
+    its own (an extra graph each time). It is plumbing: skip it, as upstream skips its own files.
+    """
+    global _hidden
+    if _hidden or "torch._dynamo.eval_frame" not in sys.modules:
+        return
+    ef = sys.modules["torch._dynamo.eval_frame"]
+    skip = getattr(ef, "skip_code", None) or getattr(getattr(ef, "torch", None) and ef.torch._C._dynamo.eval_frame, "skip_code", None)
+    if skip is None:
+        return
+    code = next(c for c in _Dispatcher._make.__code__.co_consts if getattr(c, "co_name", None) == "fx_patch_dispatch")
+    skip(code)
+    _hidden = True
+
+
 def _make_entry(base: type) -> type:
     """A ``_PatchedFn`` whose patch/revert register/unregister the calling thread in the slot's dispatcher."""
 
@@ -108,6 +130,7 @@ def _make_entry(base: type) -> type:
                 current = _get(container, name, is_dict)
                 disp = getattr(current, "_ttc_dispatcher", None)
                 if disp is None:
+                    _hide_from_dynamo()
                     had = current is not _MISSING
                     orig = current if had else getattr(builtins, name)
                     disp = _Dispatcher(orig, had)
