@@ -165,3 +165,32 @@ def test_doctor_reports_every_patch() -> None:
     assert "activation  pth" in p.stdout
     p = run_py("import sys; from torch_threadsafe_compile.__main__ import main; sys.exit(main(['doctor']))", env={"TTC_DISABLE": "1"})
     assert "activation  disabled" in p.stdout
+
+
+def test_fast_version_check_agrees_with_packaging() -> None:
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    specs = {s.torch_versions for s in registry.specs()} | {">=2.14", "<2.14.1,>=2.4", "==2.13.0", "!=2.12.1", ">2.9"}
+    for raw in ["2.4.0", "2.4.1", "2.9.1", "2.12.1", "2.13.0", "2.13.0+cpu", "2.14", "2.14.0", "2.14.1", "2.15.0", "2.16.0", "3.0.0"]:
+        registry._torch_version = registry._version_error = None
+        import types
+        import sys
+
+        fake = types.SimpleNamespace(__version__=raw)
+        saved = sys.modules.get("torch")
+        sys.modules["torch"] = fake  # type: ignore[assignment]
+        try:
+            v = registry.torch_version()
+        finally:
+            if saved is None:
+                sys.modules.pop("torch", None)
+            else:
+                sys.modules["torch"] = saved
+            registry._torch_version = registry._version_error = None
+        assert isinstance(v, tuple), raw
+        ref = Version(Version(raw).base_version)
+        for spec in specs:
+            assert registry.version_in(v, spec) == SpecifierSet(spec, prereleases=True).contains(ref, prereleases=True), (raw, spec)
+    # Pre-releases and dev builds go through packaging.
+    assert registry.version_in(Version("2.16.0"), ">=2.13") and not registry.version_in(Version("2.13.0"), "<2.13")

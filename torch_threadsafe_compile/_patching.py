@@ -17,7 +17,11 @@ Three kinds of edit:
 from __future__ import annotations
 
 import ast
+import hashlib
 import inspect
+import marshal
+import os
+import sys
 import textwrap
 import threading
 import types
@@ -200,7 +204,53 @@ class _RenameGlobal(ast.NodeTransformer):
         )
 
 
+def _cache_dir() -> str | None:
+    base = os.environ.get("TTC_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "torch_threadsafe_compile"
+    )
+    return base if base and base != "0" else None
+
+
 def rewrite_global_reads(func: types.FunctionType, name: str, tls_name: str) -> types.CodeType:
+    """:func:`_rewrite_global_reads`, cached on disk.
+
+    Reading, parsing and compiling ``Tracer.trace`` takes ~15 ms at every ``import torch``; its result only
+    depends on the original code object, so it is kept (marshal) under ``~/.cache/torch_threadsafe_compile``
+    (``TTC_CACHE_DIR``; ``TTC_CACHE_DIR=0`` turns the cache off) keyed by a hash of that code object, the
+    rewrite and the Python version. A cache that cannot be read or written is simply not used.
+    """
+    from torch_threadsafe_compile import __version__
+
+    try:
+        key = hashlib.sha256(
+            marshal.dumps(func.__code__) + f"|{name}|{tls_name}|{sys.version}|{__version__}".encode()
+        ).hexdigest()[:32]
+    except ValueError:  # an unmarshallable constant: no cache
+        return _rewrite_global_reads(func, name, tls_name)
+    directory = _cache_dir()
+    path = os.path.join(directory, f"{func.__name__}-{key}.code") if directory else None
+    if path is not None:
+        try:
+            with open(path, "rb") as fh:
+                code = marshal.load(fh)
+            if isinstance(code, types.CodeType) and code.co_freevars == func.__code__.co_freevars:
+                return code
+        except (OSError, EOFError, ValueError, TypeError):
+            pass
+    code = _rewrite_global_reads(func, name, tls_name)
+    if path is not None:
+        try:
+            os.makedirs(directory, exist_ok=True)
+            tmp = f"{path}.{os.getpid()}.tmp"
+            with open(tmp, "wb") as fh:
+                marshal.dump(code, fh)
+            os.replace(tmp, path)
+        except OSError:
+            pass
+    return code
+
+
+def _rewrite_global_reads(func: types.FunctionType, name: str, tls_name: str) -> types.CodeType:
     """Compile a copy of ``func`` in which global ``name`` is replaced by ``<tls_name>.value``.
 
     The copy is compiled from ``func``'s own source, in its module's namespace and file/line numbers, so

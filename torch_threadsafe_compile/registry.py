@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import re
 import sys
 import threading
 from dataclasses import dataclass, field
@@ -128,18 +129,52 @@ def _torch_ready() -> bool:
     return _module_ready("torch")
 
 
+_RELEASE = re.compile(r"^(\d+)\.(\d+)(?:\.(\d+))?(?:\+[0-9A-Za-z.]+)?$")
+_CLAUSE = re.compile(r"^(>=|<=|==|!=|<|>)\s*(\d+)\.(\d+)(?:\.(\d+))?$")
+
+
 def torch_version() -> Any:
-    """torch's version as a ``packaging.version.Version`` (local part dropped), or None if unparseable."""
+    """torch's version, local part dropped: a release tuple ``(2, 13, 0)`` for plain releases (the fast path:
+    ``packaging.specifiers`` alone costs ~6 ms of every ``import torch``), else a ``packaging`` Version
+    (pre-releases, dev builds), or None when it is not a version at all."""
     global _torch_version, _version_error
     if _torch_version is None and _version_error is None:
-        from packaging.version import InvalidVersion, Version
-
         raw = str(getattr(sys.modules.get("torch"), "__version__", ""))
-        try:
-            _torch_version = Version(Version(raw).base_version)
-        except InvalidVersion:
-            _version_error = f"torch.__version__ {raw!r} is not a version"
+        m = _RELEASE.match(raw)
+        if m:
+            _torch_version = tuple(int(x or 0) for x in m.groups())
+        else:
+            from packaging.version import InvalidVersion, Version
+
+            try:
+                _torch_version = Version(Version(raw).base_version)
+            except InvalidVersion:
+                _version_error = f"torch.__version__ {raw!r} is not a version"
     return _torch_version
+
+
+def version_in(version: Any, specifier: str) -> bool:
+    """``version in SpecifierSet(specifier)`` with pre-releases allowed.
+
+    Release tuples against clauses of the form ``>=2.4``/``<2.14.1`` are compared directly; anything else
+    (a ``packaging`` Version, ``~=``, wildcards) is left to ``packaging``. Both give the same answers for the
+    clauses we use (tests/test_registry.py checks them against each other)."""
+    if isinstance(version, tuple):
+        clauses = [c.strip() for c in specifier.split(",") if c.strip()]
+        parsed = [_CLAUSE.match(c) for c in clauses]
+        if all(parsed):
+            ops = {">=": tuple.__ge__, "<=": tuple.__le__, "==": tuple.__eq__, "!=": tuple.__ne__,
+                   "<": tuple.__lt__, ">": tuple.__gt__}
+            return all(ops[m.group(1)](version, tuple(int(x or 0) for x in m.groups()[1:])) for m in parsed)
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    v = Version(".".join(map(str, version))) if isinstance(version, tuple) else version
+    return SpecifierSet(specifier, prereleases=True).contains(v, prereleases=True)
+
+
+def _format_version(version: Any) -> str:
+    return ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
 
 
 def _settings() -> Any:
@@ -150,18 +185,16 @@ def _settings() -> Any:
 
 def _decide(ps: PatchState, settings: Any) -> str | None:
     """Why ``ps`` must not apply here, or None."""
-    from packaging.specifiers import SpecifierSet
-
     spec = ps.spec
     if spec.id in settings.disabled_patches:
         return f"disabled by TTC_DISABLE={','.join(sorted(settings.disabled_patches))}"
     v = torch_version()
     if v is None:
         return _version_error or "unknown torch version"
-    if spec.fixed_in is not None and v >= type(v)(spec.fixed_in):
+    if spec.fixed_in is not None and version_in(v, f">={spec.fixed_in}"):
         return f"fixed upstream in torch {spec.fixed_in}"
-    if not SpecifierSet(spec.torch_versions, prereleases=True).contains(v, prereleases=True):
-        return f"torch {v} is outside {spec.torch_versions} (hazard absent there)"
+    if not version_in(v, spec.torch_versions):
+        return f"torch {_format_version(v)} is outside {spec.torch_versions} (hazard absent there)"
     for dep in spec.after:
         dep_state = _load()[dep]
         if dep_state.state == "pending":

@@ -23,6 +23,7 @@ are replaced the same way, so every thread recomputes config hashes (used in ind
 
 from __future__ import annotations
 
+import functools
 import sys
 from contextvars import ContextVar
 from typing import Any
@@ -118,28 +119,33 @@ def apply(changes: Changes) -> dict[str, Any]:
     cls = cm.ConfigModule
     unset = cm._UNSET_SENTINEL
 
-    def global_setattr(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> None:
-        wrapped(*args, **kwargs)
-        name, value = args
-        config = instance.__dict__.get("_config")
+    orig_setattr = cls.__dict__["__setattr__"]
+    orig_delattr = cls.__dict__["__delattr__"]
+
+    # Plain functions, not wrapt: this patch applies during `import torch`, where importing wrapt would
+    # cost ~6 ms; functools.wraps keeps name, docs and __wrapped__.
+    @functools.wraps(orig_setattr)
+    def global_setattr(self: Any, name: str, value: object) -> None:
+        orig_setattr(self, name, value)
+        config = self.__dict__.get("_config")
         if (
             config is not None
             and name in config
-            and name not in getattr(type(instance), "_bypass_keys", ())
+            and name not in getattr(type(self), "_bypass_keys", ())
             and config[name].alias is None
             and _from_outside_torch()
         ):
-            make_global(instance, name, value)
+            make_global(self, name, value)
 
-    def global_delattr(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> None:
-        wrapped(*args, **kwargs)
-        (name,) = args
-        config = instance.__dict__.get("_config")
+    @functools.wraps(orig_delattr)
+    def global_delattr(self: Any, name: str) -> None:
+        orig_delattr(self, name)
+        config = self.__dict__.get("_config")
         if config is not None and name in config and _from_outside_torch():
-            make_global(instance, name, unset)
+            make_global(self, name, unset)
 
-    changes.wrap(cls, "__setattr__", global_setattr)
-    changes.wrap(cls, "__delattr__", global_delattr)
+    changes.setattr(cls, "__setattr__", global_setattr)
+    changes.setattr(cls, "__delattr__", global_delattr)
     return {}
 
 
