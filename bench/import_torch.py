@@ -25,6 +25,29 @@ print(json.dumps([t1 - t0, t2 - t1, sorted(m for m in sys.modules if m == 'torch
 """
 
 
+# In one active process: the time spent in our code during `import torch` (the import hook's lookups and
+# everything the registry does when torch modules finish importing), against the whole import.
+INPROC = """
+import time, json, sys
+from torch_threadsafe_compile import _bootstrap as b
+spent = [0.0]
+def timed(fn):
+    def inner(*a, **k):
+        t = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            spent[0] += time.perf_counter() - t
+    return inner
+b._on_import = timed(b._on_import)
+b._finder.find_spec = timed(b._finder.find_spec)
+t0 = time.perf_counter()
+import torch
+total = time.perf_counter() - t0
+print(json.dumps([spent[0], total]))
+"""
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=20)
@@ -43,8 +66,15 @@ def main() -> None:
         dyn_mods[disabled] = m
         return t_dyn
 
+    import statistics
+
+    inproc = [json.loads(run_child(INPROC, False)) for _ in range(a.rounds)]
+    fractions = sorted(x / t for x, t in inproc)
     r1 = alternate(m_torch, a.rounds)
     r2 = alternate(m_dynamo, a.rounds)
+    print(f"in-process: our code during import torch {statistics.median(x for x, _ in inproc)*1e3:.1f} ms of "
+          f"{statistics.median(t for _, t in inproc)*1e3:.0f} ms = {statistics.median(fractions)*100:.2f} % "
+          f"(median of {a.rounds} interpreters; range {fractions[0]*100:.2f}..{fractions[-1]*100:.2f} %)")
     print(f"import torch: active {r1['active_median']*1e3:.0f} ms, TTC_DISABLE=1 {r1['unpatched_median']*1e3:.0f} ms, "
           f"ratio {r1['ratio']:.3f} ({a.rounds} alternating runs each)")
     print(f"then import torch._dynamo: active {r2['active_median']*1e3:.0f} ms, TTC_DISABLE=1 {r2['unpatched_median']*1e3:.0f} ms, "
