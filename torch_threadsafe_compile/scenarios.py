@@ -25,6 +25,21 @@ def scenario(fn: Callable[..., dict[str, Any]]) -> Callable[..., dict[str, Any]]
     return fn
 
 
+def _start_join(threads: list[threading.Thread]) -> None:
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+def _uncompiled_frames() -> int:
+    """Cache misses that produced no graph (e.g. the recompile limit was hit): frames that ran uncompiled."""
+    import torch._dynamo.utils as du
+
+    frames = du.counters["frames"]
+    return int(frames["total"] - frames["ok"])
+
+
 def _maybe_late_install(late: bool) -> None:
     """For ``late=1``: undo start-up activation now, and re-install after the caller compiled."""
     if late:
@@ -70,10 +85,7 @@ def fx_flag_leak(compiles: int = 4, callers: int = 3, late: int = 0, backend: st
 
     ts = [threading.Thread(target=caller) for _ in range(callers)] + [threading.Thread(target=compiler)]
     t0 = time.time()
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
+    _start_join(ts)
     return {"ok_calls": calls[0], "errors": sum(errors.values()), "kinds": list(errors)[:3], "wall_s": round(time.time() - t0, 2)}
 
 
@@ -115,10 +127,7 @@ def fx_flag_poll(seconds: float = 2.0) -> dict[str, Any]:
                 polls[1] += 1
 
     ts = [threading.Thread(target=tracer), threading.Thread(target=poller)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
+    _start_join(ts)
     return {"polls": polls[0], "true_in_other_thread": polls[1]}
 
 
@@ -185,10 +194,7 @@ def fx_patcher_leak(seconds: float = 2.0, tracers: int = 2) -> dict[str, Any]:
                     note(e)
 
     ts = [threading.Thread(target=tracer) for _ in range(tracers)] + [threading.Thread(target=runner)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
+    _start_join(ts)
     return {**counts, "errors": sum(errors.values()), "kinds": list(errors)[:3]}
 
 
@@ -265,10 +271,7 @@ def is_compiling_leak(seconds: float = 3.0, backend: str = "aot_eager") -> dict[
             stop.set()
 
     ts = [threading.Thread(target=poller), threading.Thread(target=compiler)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
+    _start_join(ts)
     return {"polls": polls[0], "true_in_eager_thread": polls[1], "compiling_thread_saw_true": all(seen_in_compiler) and bool(seen_in_compiler)}
 
 
@@ -360,17 +363,12 @@ def stampede(threads: int = 8, backend: str = "aot_eager", shapes: int = 2) -> d
 
     ts = [threading.Thread(target=w) for _ in range(threads)]
     t0 = time.time()
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    # A cache miss that produced no graph (recompile limit hit) ran the frame uncompiled.
-    frames = du.counters["frames"]
+    _start_join(ts)
     return {
         "threads": threads,
         "graphs_after_each_stampede": frame_counts,
         "graphs": int(du.counters["stats"]["unique_graphs"]),
-        "uncompiled_frames": int(frames["total"] - frames["ok"]),
+        "uncompiled_frames": _uncompiled_frames(),
         "errors": len(errors),
         "wrong_results": len(wrong),
         "wall_s": round(time.time() - t0, 2),
@@ -409,13 +407,9 @@ def module_stampede(threads: int = 8, how: str = "torch.compile", backend: str =
             errors.append(str(e)[:80])
 
     ts = [threading.Thread(target=w) for _ in range(threads)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    frames = du.counters["frames"]
+    _start_join(ts)
     return {"threads": threads, "how": how, "graphs": int(du.counters["stats"]["unique_graphs"]),
-            "uncompiled_frames": int(frames["total"] - frames["ok"]), "errors": len(errors)}
+            "uncompiled_frames": _uncompiled_frames(), "errors": len(errors)}
 
 
 @scenario
@@ -437,10 +431,7 @@ def guard_sets(threads: int = 6, backend: str = "aot_eager") -> dict[str, Any]:
             errors.append(str(e)[:80])
 
     ts = [threading.Thread(target=w, args=(i,)) for i in range(threads)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
+    _start_join(ts)
     return {"threads": threads, "guard_sets": 2, "graphs": int(du.counters["stats"]["unique_graphs"]), "errors": len(errors)}
 
 
@@ -492,17 +483,13 @@ def drafter_flex(drafters: int = 3, targets: int = 2, steps: int = 4, seq: int =
     ts = [threading.Thread(target=drafter, args=(i,)) for i in range(drafters)]
     ts += [threading.Thread(target=tgt, args=(i,)) for i in range(targets)]
     t0 = time.time()
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    frames = du.counters["frames"]
+    _start_join(ts)
     return {
         "done": dict(done),
         "errors": sum(errs.values()),
         "kinds": list(errs)[:3],
         "graphs": int(du.counters["stats"]["unique_graphs"]),
-        "uncompiled_frames": int(frames["total"] - frames["ok"]),
+        "uncompiled_frames": _uncompiled_frames(),
         "wall_s": round(time.time() - t0, 1),
     }
 
