@@ -1,6 +1,6 @@
 """Concurrency soak and fault-injection harness for torch.compile under many threads.
 
-Why a harness of its own: the hazards in HAZARDS.md (H1 tracing flag, H2 compile-session flag, H3 stampede,
+Why a harness of its own: the hazards in docs/hazards.md (H1 tracing flag, H2 compile-session flag, H3 stampede,
 H4 deadlock, H5/H6 process-global state) only show up when many kinds of compiled work overlap in one
 process. This module builds such a workload, runs it for a fixed time, checks every compiled output
 against the same function run eagerly on the same inputs, and reports plain numbers. It never decides
