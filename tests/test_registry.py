@@ -58,6 +58,8 @@ def snapshot():
         "CEW.__call__": cf.CatchErrorsWrapper.__dict__["__call__"],
         "TDC.__call__": ef._TorchDynamoContext.__dict__["__call__"],
         "CM.__setattr__": cm.ConfigModule.__dict__["__setattr__"], "CM.__delattr__": cm.ConfigModule.__dict__["__delattr__"],
+        "Patcher.patch": st._Patcher.__dict__["patch"], "Patcher.patch_method": st._Patcher.__dict__["patch_method"],
+        "st._new_patcher": st.__dict__.get("_new_patcher"),
         "st.names": sorted(k for k in vars(st) if k.startswith("_ttc")),
         "compiler.names": sorted(k for k in vars(torch.compiler) if k.startswith("_ttc")),
     }
