@@ -137,9 +137,10 @@ def test_h3_one_compile_per_guard_set() -> None:
 
 
 # -- H7: fx_patcher ------------------------------------------------------------------------------------
+@pytest.mark.skipif(TV < Version("2.6"), reason="torch < 2.6 has no _new_patcher: fx_patcher skips itself there (docs/compat.md)")
 def test_h7_fx_symbolic_trace_patches_only_its_own_thread() -> None:
     """patch fx_patcher: two threads FX-trace while a third runs the same kind of module eagerly."""
-    off, on = pair("fx_patcher_leak", seconds=1.5, tracers=2)
+    off, on = pair("fx_patcher_leak", seconds=2.5, tracers=2)
     assert off["errors"] > 0  # e.g. NameError: module is not installed as a submodule
     assert on["errors"] == 0 and on["wrong"] == 0
     assert on["traces"] > 10 and on["eager_calls"] > 100
