@@ -19,7 +19,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import alternate, run_child  # noqa: E402
+from _common import run_child  # noqa: E402
 
 # Both versions of the function live in one process: `plain` is compiled while the package is
 # uninstalled (no gate, upstream's wrapper), `gated` after install(). Batches alternate between them.

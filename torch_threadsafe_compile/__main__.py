@@ -12,7 +12,6 @@ import argparse
 import json
 import os
 import sys
-from typing import Any
 
 # What --selftest runs: (scenario, kwargs, metric shown, hazard).
 # (config_threads last: it leaves a config assignment behind in its interpreter.)

@@ -69,7 +69,6 @@ _lock = threading.RLock()
 _states: dict[str, PatchState] | None = None
 _torch_version: Any = None
 _version_error: str | None = None
-_explicit = False  # install() was called
 _finished: set[str] = set()  # watched modules whose body finished executing
 
 
@@ -281,13 +280,11 @@ def on_module_imported(name: str) -> None:
 
 def install() -> dict[str, Any]:
     """Activate in this process (idempotent). Returns :func:`status`."""
-    global _explicit
     from torch_threadsafe_compile import _bootstrap
 
     settings = _settings()
     if settings.disabled:
         return status()
-    _explicit = True
     with _lock:
         for ps in _load().values():
             if ps.state in ("reverted", "skipped") and not ps.reason.startswith("fixed upstream"):

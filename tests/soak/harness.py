@@ -35,7 +35,6 @@ test can check that only the victim's callers were affected.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import faulthandler
 import io

@@ -16,7 +16,6 @@ autograd engine threads are not inside a compile session upstream either, so not
 from __future__ import annotations
 
 import sys
-import threading
 from typing import Any
 
 from torch_threadsafe_compile._patching import Changes, run_in_thread, thread_local_global

@@ -66,8 +66,8 @@ def _from_outside_torch() -> bool:
     while f is not None:
         code = f.f_code
         mod = f.f_globals.get("__name__", "")
-        # Skip our own wrappers (and wrapt's pure-Python layer, if its C extension is unavailable) ...
-        if (mod == __name__ and code.co_name in _WRAPPERS) or mod.startswith("wrapt"):
+        # Skip our own wrappers ...
+        if mod == __name__ and code.co_name in _WRAPPERS:
             f = f.f_back
             continue
         # ... and SubConfigProxy's forwarding, whose caller is the one that assigned.

@@ -51,7 +51,7 @@ import time
 import types
 from typing import Any, Callable
 
-from torch_threadsafe_compile._patching import Changes, TargetMismatch
+from torch_threadsafe_compile._patching import Changes
 from torch_threadsafe_compile.registry import PatchSpec
 
 SPEC = PatchSpec(

@@ -45,7 +45,6 @@ SPEC = PatchSpec(
 FLAG = "_is_fx_tracing_flag"
 READERS = ("is_fx_tracing", "is_fx_symbolic_tracing")
 
-_tls: Any = None
 
 
 def _module() -> Any:
@@ -70,7 +69,6 @@ def check() -> str | None:
 
 
 def apply(changes: Changes) -> dict[str, Any]:
-    global _tls
     mod = _module()
     readers = [getattr(mod, n) for n in READERS if callable(getattr(mod, n, None))]
     if mod.__dict__[FLAG] is not False:
@@ -80,8 +78,7 @@ def apply(changes: Changes) -> dict[str, Any]:
     # Tracer.trace writes the flag with a `global` statement; its code is rewritten like the readers', so the
     # function object stays the one that dynamo later wraps with `disable` (import torch._dynamo does that).
     trace = _unwrap(mod.Tracer.__dict__["trace"])
-    tls = thread_local_global(changes, mod, FLAG, readers + [trace])
-    _tls = tls
+    thread_local_global(changes, mod, FLAG, readers + [trace])
     return {"readers": [f.__name__ for f in readers]}
 
 
