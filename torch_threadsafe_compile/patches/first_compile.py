@@ -26,12 +26,15 @@ This patch makes the waiting threads look again:
   top frame too. With forward (pre-)hooks registered, the hooks would run twice on a retry: such calls
   compile as upstream;
 * inner frames (graph-break continuations, functions called from compiled code) cannot be retried that
-  way; they are serialized by ``compile_lock`` as upstream. To keep them from being compiled once per
-  waiting thread anyway, a thread served by another's compile waits (holding no lock) until that other
-  thread's call has returned — by then its continuations are compiled and cached — bounded to
-  ``FOLLOW_FACTOR`` times the first compile's duration (1 s … ``FOLLOW_MAX_S``), so that threads that
-  depend on each other inside a first call cannot hang. Threads that arrive after the first graph was
-  compiled but before its continuations were can still compile a continuation again.
+  way: when dynamo's callback sees one, the frame is already running. So they are kept from being
+  compiled once per thread *before* they are reached: a gated call that compiles anything (its top
+  frame or an inner frame) is a *flight* of its function until the call returns; other threads entering
+  the gate of the same function (same top code object, so per-thread ``torch.compile(module copy)``
+  counts as one function) wait for the flight to land before they call, holding no lock. By then the
+  continuations the flight compiled are cached. The wait lasts while the flight compiles (upstream
+  would wait for ``compile_lock`` as long) and at most ``FOLLOW_FACTOR`` times its compile time after
+  that (1 s … ``FOLLOW_MAX_S``), so threads that depend on each other inside a first call cannot hang;
+  at most ``COMPILE_WAIT_MAX_S`` in all.
 
 No new lock is introduced (``compile_lock`` is dynamo's own RLock, taken a few lines earlier than
 upstream), so no new lock-order can deadlock. A compile that raises releases the lock on the way out and
@@ -65,13 +68,16 @@ SPEC = PatchSpec(
     tested="2.11.0, 2.13.0",
 )
 
-MAX_RETRIES = 3
-# A thread served by another thread's compile first waits (no lock held) until that thread's gated call has
-# returned, so that the frames this call compiles *after* its first graph (graph-break continuations) are
-# compiled once too instead of by every waiting thread. Bounded: at most this many times the first
-# compile's duration (at least 1 s, at most FOLLOW_MAX_S), so no dependency between the threads can hang.
+# A retry is only raised when an entry whose guards (and backend) pass is in the cache, so retries end as
+# soon as dynamo's lookup sees it; the bound is a safety net for an entry that passes here but that the
+# C lookup would still reject. Spurious misses (see the module docstring) rarely repeat more than twice.
+MAX_RETRIES = 16
+# Bounds of the wait for another thread's flight (see the module docstring): after its last compile
+# ended, at most FOLLOW_FACTOR x its compile time (at least 1 s, at most FOLLOW_MAX_S); in all, at most
+# COMPILE_WAIT_MAX_S. A thread that is itself compiling (a backend that runs compiled code) never waits.
 FOLLOW_FACTOR = 4.0
 FOLLOW_MAX_S = 10.0
+COMPILE_WAIT_MAX_S = 60.0
 
 
 class _Retry(BaseException):
@@ -111,7 +117,7 @@ class _Stats:
     def record(self, code: types.CodeType, what: str, waited: float) -> None:
         with self._lock:
             row = self.by_code.setdefault(
-                self.key(code), {"compiles": 0, "served_by_other_thread": 0, "waits": 0, "wait_s_total": 0.0, "wait_s_max": 0.0}
+                self.key(code), {"compiles": 0, "served_by_other_thread": 0, "lookup_retries": 0, "waits": 0, "wait_s_total": 0.0, "wait_s_max": 0.0}
             )
             row[what] += 1
             if waited > 1e-3:
@@ -123,33 +129,133 @@ class _Stats:
 stats = _Stats()
 _state: dict[str, Any] = {}
 # code object -> (thread ident, id of that thread's gate frame, compile seconds) of a first call in flight.
-_inflight: dict[types.CodeType, tuple[int, int, float]] = {}
 
 
-def _frame_on_stack(top: Any, frame_id: int, gate_code: types.CodeType) -> bool:
-    f, depth = top, 0
-    while f is not None and depth < 1000:
-        if id(f) == frame_id and f.f_code is gate_code:
-            return True
-        f, depth = f.f_back, depth + 1
-    return False
+class _Flight:
+    """A gated call, in one thread, that compiled something: its function's other callers wait for it."""
+
+    __slots__ = ("owner", "gate_frame_id", "landed", "compiling", "compile_s", "idle_since")
+
+    def __init__(self, gate_frame_id: int) -> None:
+        self.owner = threading.get_ident()
+        self.gate_frame_id = gate_frame_id
+        self.landed = threading.Event()
+        self.compiling = 0  # callbacks of this flight under way
+        self.compile_s = 0.0
+        self.idle_since = time.monotonic()
 
 
-def _follow_first_call(code: types.CodeType, gate_code: types.CodeType) -> None:
-    """Wait, bounded, until the call that compiled ``code`` in another thread has returned."""
-    info = _inflight.get(code)
-    if info is None or info[0] == threading.get_ident():
-        return
-    ident, frame_id, compile_s = info
-    deadline = time.monotonic() + min(FOLLOW_MAX_S, max(1.0, FOLLOW_FACTOR * compile_s))
-    while time.monotonic() < deadline:
-        top = sys._current_frames().get(ident)
-        if top is None or not _frame_on_stack(top, frame_id, gate_code):
-            if _inflight.get(code) is info:
-                _inflight.pop(code, None)
-            return
-        del top
-        time.sleep(0.002)
+# top code object of a gated function -> its flights. Non-empty only while first calls are under way,
+# so the gate's warm path pays one truthiness test. _flights_lock is a leaf lock: nothing else is
+# acquired while it is held.
+_flights: dict[types.CodeType, list[_Flight]] = {}
+_flights_lock = threading.Lock()
+
+
+# Set while this thread runs the flight bookkeeping below. These helpers can run under an active dynamo
+# callback (a gated function called from compiled code), so the frames they create (threading's Event,
+# Condition) reach the frame callback; it must not re-enter the bookkeeping (the leaf lock is held).
+_internal = threading.local()
+
+
+def _takeoff(key: types.CodeType, gate_frame_id: int) -> _Flight:
+    """The flight of this thread's gated call (frame ``gate_frame_id``), created on its first compile."""
+    me = threading.get_ident()
+    _internal.busy = True
+    try:
+        with _flights_lock:
+            flights = _flights.setdefault(key, [])
+            for fl in flights:
+                if fl.owner == me and fl.gate_frame_id == gate_frame_id:
+                    return fl
+            fl = _Flight(gate_frame_id)
+            flights.append(fl)
+            return fl
+    finally:
+        _internal.busy = False
+
+
+def _land(key: Any, gate_frame: Any) -> None:
+    """The gated call in ``gate_frame`` returned (or raised): its flight, if any, lands."""
+    me, fid = threading.get_ident(), id(gate_frame)
+    landed = []
+    _internal.busy = True
+    try:
+        with _flights_lock:
+            flights = _flights.get(key)
+            if not flights:
+                return
+            rest = []
+            for fl in flights:  # no comprehension: one frame less under a possibly active callback
+                (landed if fl.owner == me and fl.gate_frame_id == fid else rest).append(fl)
+            if not landed:
+                return
+            if rest:
+                _flights[key] = rest
+            else:
+                del _flights[key]
+        for fl in landed:
+            fl.landed.set()
+    finally:
+        _internal.busy = False
+
+
+# Per thread: how many dynamo callbacks (compiles) are under way in this thread. A compiling thread holds
+# compile_lock, so it must never wait for another thread's flight (that thread may need the lock).
+_compiling = threading.local()
+
+
+def _await_flights(key: Any) -> float:
+    """Wait (bounded, no lock held) until other threads' flights of ``key`` have landed; seconds waited."""
+    flights = _flights.get(key)
+    if not flights or getattr(_compiling, "depth", 0):
+        return 0.0
+    me = threading.get_ident()
+    t0 = time.monotonic()
+    _internal.busy = True
+    try:
+        for fl in list(flights):
+            if fl.owner == me:
+                continue
+            while not fl.landed.wait(0.02):
+                now = time.monotonic()
+                if now - t0 > COMPILE_WAIT_MAX_S:
+                    return now - t0
+                if not fl.compiling and now - fl.idle_since > min(FOLLOW_MAX_S, max(1.0, FOLLOW_FACTOR * fl.compile_s)):
+                    break
+        return time.monotonic() - t0
+    finally:
+        _internal.busy = False
+
+
+# Code objects dynamo must run as they are when a gated call happens inside compiled code.
+_HELPER_CODES = (_takeoff.__code__, _land.__code__, _await_flights.__code__, _Flight.__init__.__code__)
+
+
+def _gate_key(compile_wrapper: Callable[..., Any]) -> types.CodeType | None:
+    """The code object dynamo's callback sees as the top frame of calls through ``compile_wrapper``.
+
+    ``torch.compile(fn)``: ``fn``'s code. ``torch.compile(module)`` / ``module.compile()`` wrap the
+    module's ``__call__`` / ``_call_impl``, and the top frame is its ``forward``. Anything else (None):
+    the gate still retries, but its callers do not wait for each other's flights.
+    """
+    fn = getattr(compile_wrapper, "__wrapped__", None)
+    func = getattr(fn, "__func__", fn)
+    owner = getattr(fn, "__self__", None)
+    nn_module = sys.modules.get("torch.nn.modules.module")
+    if (
+        owner is not None
+        and nn_module is not None
+        and isinstance(owner, nn_module.Module)
+        and getattr(func, "__name__", None) in ("_call_impl", "_wrapped_call_impl", "__call__")
+    ):
+        try:
+            fwd = owner.forward
+        except Exception:
+            return None
+        func = getattr(fwd, "__func__", fwd)
+    code = getattr(func, "__code__", None)
+    return code if isinstance(code, types.CodeType) else None
 
 
 def _cache_entry_lister() -> Callable[[types.CodeType], list[Any]] | None:
@@ -189,6 +295,23 @@ def _hook_free(module: Any, module_globals: dict[str, Any]) -> bool:
     return not any(module_globals.get(g) for g in _GLOBAL_HOOKS)
 
 
+def _backend_of(callback: Any) -> Any:
+    """The backend dynamo's C lookup compares cache entries against (``get_backend`` in eval_frame)."""
+    seen = 0
+    while hasattr(callback, "_torchdynamo_orig_backend") and seen < 32:
+        callback, seen = callback._torchdynamo_orig_backend, seen + 1
+    return callback
+
+
+def _same_backend(saved: Any, backend: Any) -> bool:
+    if saved is backend:
+        return True
+    try:
+        return type(saved) is type(backend) and bool(saved == backend)
+    except Exception:
+        return False
+
+
 def check() -> str | None:
     ef, cf = _modules()
     ctx = getattr(ef, "_TorchDynamoContext", None)
@@ -217,13 +340,21 @@ def apply(changes: Changes) -> dict[str, Any]:
     orig_cb_call = cf.CatchErrorsWrapper.__dict__["__call__"]
 
     def make_gate(compile_wrapper: Callable[..., Any]) -> Callable[..., Any]:
+        key = _gate_key(compile_wrapper)
+
         def ttc_gate(*args: Any, **kwargs: Any) -> Any:
-            attempt = 0  # read by the frame callback through this frame's locals
-            while True:
-                try:
-                    return compile_wrapper(*args, **kwargs)
-                except _Retry:
-                    attempt += 1
+            attempt = 0  # read by the frame callback through this frame's locals, as is `key`
+            try:
+                while True:
+                    if _flights and key is not None:
+                        _await_flights(key)
+                    try:
+                        return compile_wrapper(*args, **kwargs)
+                    except _Retry:
+                        attempt += 1
+            finally:
+                if _flights:
+                    _land(key, sys._getframe())
 
         functools.update_wrapper(ttc_gate, compile_wrapper)
         ttc_gate._ttc_gate = True  # type: ignore[attr-defined]
@@ -237,9 +368,12 @@ def apply(changes: Changes) -> dict[str, Any]:
             return make_gate(result)
         return result
 
-    def matching_entry(frame: Any) -> bool:
+    def matching_entry(frame: Any, backend: Any) -> bool:
+        """Whether the cache holds an entry dynamo's lookup would use for ``frame`` (guards and backend)."""
         f_locals = frame.f_locals
         for entry in get_entries(frame.f_code):
+            if not _same_backend(getattr(entry, "backend", backend), backend):
+                continue
             check_fn = _entry_checker(entry)
             if check_fn is not None:
                 try:
@@ -250,19 +384,28 @@ def apply(changes: Changes) -> dict[str, Any]:
         return False
 
     module_file = os.path.join("torch", "nn", "modules", "module.py")
+    # While another thread's FX trace (e.g. the make_fx inside an AOT compile) has ``Module.__call__``
+    # patched, calls pass through fx_patcher's dispatcher (H7): plumbing too, it runs nothing else.
+    from torch_threadsafe_compile.patches.fx_patcher import DISPATCH_CODE as dispatch_code
 
     def gate_frame_of(caller: Any) -> Any:
         """The gate's frame if the frame being compiled is the first real frame of a gated call.
 
         Between dynamo's ``compile_wrapper`` and that frame there may only be ``nn.Module``'s call
         plumbing (``torch.compile(module)`` wraps ``module.__call__``; ``module.compile()`` wraps
-        ``_call_impl``), and only on its hook-free fast path: then nothing has run that a retry would
+        ``_call_impl``; fx_patcher's dispatcher while a trace has ``Module.__call__`` patched), and only
+        on its hook-free fast path: then nothing has run that a retry would
         run twice. Anything else (a graph-break continuation, a function called from compiled code):
         None, and the frame compiles as upstream.
         """
+        if caller is not None and caller.f_code is resume_gate_code:
+            return caller  # a continuation called through its gate
         f = caller
         while f is not None and f.f_code is not cw_code:
             code = f.f_code
+            if code is dispatch_code:
+                f = f.f_back
+                continue
             if not (code.co_name in ("_call_impl", "_wrapped_call_impl") and code.co_filename.endswith(module_file)):
                 return None
             if code.co_name == "_call_impl" and not _hook_free(f.f_locals.get("self"), f.f_globals):
@@ -272,31 +415,147 @@ def apply(changes: Changes) -> dict[str, Any]:
             return None
         return f.f_back
 
+    def make_resume_gate(resume_fn: Callable[..., Any], wraps: bool = True) -> Callable[..., Any]:
+        def ttc_resume_gate(*args: Any, **kwargs: Any) -> Any:
+            attempt = 0  # read by the frame callback through this frame's locals
+            while True:
+                try:
+                    return resume_fn(*args, **kwargs)
+                except _Retry:
+                    attempt += 1
+
+        if wraps:
+            functools.update_wrapper(ttc_resume_gate, resume_fn)
+        ttc_resume_gate._ttc_gate = True  # type: ignore[attr-defined]
+        return ttc_resume_gate
+
+    def make_gated_factory(factory: Callable[..., Any]) -> Callable[..., Any]:
+        """torch >= 2.12 builds a continuation that needs a closure with a factory stored as the global."""
+
+        def ttc_resume_factory(*args: Any, **kwargs: Any) -> Any:
+            return make_resume_gate(factory(*args, **kwargs), wraps=False)
+
+        functools.update_wrapper(ttc_resume_factory, factory)
+        ttc_resume_factory._ttc_gate = True  # type: ignore[attr-defined]
+        return ttc_resume_factory
+
+    resume_gate_code = make_resume_gate(lambda: None).__code__
+    skip_code = getattr(ef, "skip_code", None)
+    if callable(skip_code):
+        # The gate and the factory run between compiled code and the continuation, with dynamo's
+        # callback active: dynamo must run them as they are (the continuation itself is compiled).
+        for helper in (gate_code, resume_gate_code, make_gated_factory(lambda: None).__code__, *_HELPER_CODES):
+            skip_code(helper)
+    resume_gates: list[tuple[dict[str, Any], str, Any, Any]] = []
+    output_graph_file = os.path.join("torch", "_dynamo", "output_graph.py")
+
+    def gate_continuations(frame: Any, result: Any) -> None:
+        """Put a retrying gate in front of the continuations the code just compiled for ``frame`` calls.
+
+        Dynamo stores each graph-break continuation (``__resume_at_<offset>``) as a global of the
+        compiled function's module, and the compiled code loads it by name when it calls it. Behind a
+        gate, a continuation frame is the top frame of a gated call: a spurious cache miss there is
+        retried instead of compiled again. A continuation that needs a closure is built at call time:
+        from torch 2.12 by a factory stored as that global (which gets a gated factory), before 2.12 by
+        the compiled code itself from a code object (which keeps upstream behaviour).
+        """
+        if not callable(skip_code):
+            return
+        code = getattr(getattr(result, "guarded_code", result), "code", None)
+        if not isinstance(code, types.CodeType):
+            return
+        scope = frame.f_globals
+        for name in code.co_names:
+            if not name.startswith("__resume_at_"):
+                continue
+            fn = scope.get(name)
+            if type(fn) is not types.FunctionType or getattr(fn, "_ttc_gate", False):
+                continue
+            fn_code = fn.__code__
+            if not fn_code.co_freevars:
+                gate = make_resume_gate(fn)
+            elif fn_code.co_name == "_make_fn" and fn_code.co_filename.endswith(output_graph_file):
+                gate = make_gated_factory(fn)
+            else:
+                continue
+            scope[name] = gate
+            resume_gates.append((scope, name, fn, gate))
+
+    def restore_continuations() -> None:
+        for scope, name, fn, gate in resume_gates:
+            if scope.get(name) is gate:
+                scope[name] = fn
+        resume_gates.clear()
+
+    def flight_gate(f: Any) -> Any:
+        """The nearest gated ``torch.compile`` call on the stack from ``f``: the call a compile belongs to."""
+        depth = 0
+        while f is not None and depth < 200:
+            if f.f_code is gate_code:
+                return f
+            f, depth = f.f_back, depth + 1
+        return None
+
+    def compile_in_flight(gate: Any, call: Callable[[], Any]) -> Any:
+        """Run dynamo's callback as part of the flight of the gated call in frame ``gate``."""
+        key = gate.f_locals.get("key") if gate is not None else None
+        if key is None:
+            return call()
+        fl = _takeoff(key, id(gate))
+        fl.compiling += 1
+        t1 = time.perf_counter()
+        try:
+            return call()
+        finally:
+            fl.compile_s += time.perf_counter() - t1
+            fl.idle_since = time.monotonic()
+            fl.compiling -= 1
+
     @functools.wraps(orig_cb_call)
     def callback_call(self: Any, frame: Any, cache_entry: Any, frame_state: Any, *rest: Any, **kw: Any) -> Any:
-        outer = gate_frame_of(sys._getframe(1))
-        if outer is None:
-            # Not the top frame of a gated call: upstream behaviour.
+        if getattr(_internal, "busy", False):  # a frame created by the flight bookkeeping itself
             return orig_cb_call(self, frame, cache_entry, frame_state, *rest, **kw)
+        def compile_frame() -> Any:
+            _compiling.depth = getattr(_compiling, "depth", 0) + 1
+            try:
+                result = orig_cb_call(self, frame, cache_entry, frame_state, *rest, **kw)
+            finally:
+                _compiling.depth -= 1
+            gate_continuations(frame, result)
+            return result
+
+        caller = sys._getframe(1)
+        outer = gate_frame_of(caller)
+        if outer is None:
+            # Not the top frame of a gated call: compiled as upstream, as part of the enclosing gated
+            # call's flight if there is one (a callee of compiled code, a continuation with a closure).
+            gate = flight_gate(caller)
+            del caller
+            return compile_in_flight(gate, compile_frame)
+        del caller
         code = frame.f_code
+        retry_allowed = outer.f_locals.get("attempt", MAX_RETRIES) < MAX_RETRIES
+        backend = _backend_of(self)
+        if retry_allowed and matching_entry(frame, backend):
+            # Dynamo's lookup missed an entry that is in the cache: it walks the entry list while
+            # other threads move entries to its front (see the module docstring). Look again.
+            stats.record(code, "lookup_retries", 0.0)
+            raise _Retry()
         t0 = time.perf_counter()
         with cf.compile_lock:  # read at call time: compile_lock_watchdog may have wrapped it
             waited = time.perf_counter() - t0
-            served = outer.f_locals.get("attempt", MAX_RETRIES) < MAX_RETRIES and matching_entry(frame)
+            served = retry_allowed and matching_entry(frame, backend)
             if not served:
-                t1 = time.perf_counter()
-                result = orig_cb_call(self, frame, cache_entry, frame_state, *rest, **kw)
-                if getattr(result, "guarded_code", result) is not None:
-                    _inflight[code] = (threading.get_ident(), id(outer), time.perf_counter() - t1)
+                result = compile_in_flight(outer if outer.f_code is gate_code else flight_gate(outer), compile_frame)
         if served:
             stats.record(code, "served_by_other_thread", waited)
-            _follow_first_call(code, gate_code)  # outside the lock
-            raise _Retry()
+            raise _Retry()  # the gate waits for the server's flight to land, then calls again
         if getattr(result, "guarded_code", result) is not None:
             stats.record(code, "compiles", waited)
         return result
 
     changes.wrap(ctx_cls, "__call__", gate_compiled)
+    changes.on_revert(restore_continuations)
     changes.setattr(cf.CatchErrorsWrapper, "__call__", callback_call)
     _state.update(cw_code=cw_code, gate_code=gate_code, make_gate=make_gate)
     return {}

@@ -74,6 +74,11 @@ class _Dispatcher:
         return fx_patch_dispatch
 
 
+# The dispatcher's code object: dynamo is told to skip it, and first_compile (H3) counts it as call
+# plumbing between a compiled module's ``compile_wrapper`` and its ``forward``.
+DISPATCH_CODE = next(c for c in _Dispatcher._make.__code__.co_consts if getattr(c, "co_name", None) == "fx_patch_dispatch")
+
+
 def _get(container: Any, name: str, is_dict: bool) -> Any:
     if is_dict:
         return container.get(name, _MISSING)
@@ -114,8 +119,7 @@ def _hide_from_dynamo() -> None:
     skip = getattr(ef, "skip_code", None) or getattr(getattr(ef, "torch", None) and ef.torch._C._dynamo.eval_frame, "skip_code", None)
     if skip is None:
         return
-    code = next(c for c in _Dispatcher._make.__code__.co_consts if getattr(c, "co_name", None) == "fx_patch_dispatch")
-    skip(code)
+    skip(DISPATCH_CODE)
     _hidden = True
 
 
