@@ -34,6 +34,7 @@ WATCHED = frozenset(
         "torch._dynamo",
         "torch._dynamo.convert_frame",
         "torch._dynamo.eval_frame",
+        "torch.export._trace",
         "torch._functorch.config",
         "torch._higher_order_ops.utils",
         "torch._inductor.config",

@@ -33,6 +33,8 @@ PATCH_MODULES: tuple[str, ...] = (
     "fx_tracing_flag",  # H1
     "fx_patcher",  # H7
     "compile_session_flag",  # H2
+    "export_flag",  # H7
+    "export_lock",  # H7
     "config_overrides",  # H6
     "lazy_backward",  # H4
     "compile_lock_watchdog",  # H4 (detector)

@@ -1,0 +1,64 @@
+"""H7 — ``torch.compiler.is_exporting()`` answers for the calling thread only.
+
+``torch.export`` sets ``torch.compiler._is_exporting_flag`` (``torch/_export/utils.py``,
+``_compiling_state_context``) for the whole export, and the flag is one module global. Meanwhile, in
+every *other* thread, ``torch.compile(fn)`` warns "torch.compile is ignored when called inside
+torch.export region" and returns ``fn`` itself: that thread's work then runs uncompiled for good, with
+no error. Measured in the soak suite (torch 2.13, one thread exporting while 16 compile).
+
+Same mechanism as H1/H2: ``is_exporting`` keeps its function object with code that reads a
+thread-local, and reads/writes of ``torch.compiler._is_exporting_flag`` from other modules (export,
+dynamo) go through a property of the module's class.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from torch_threadsafe_compile._patching import Changes, run_in_thread, thread_local_global
+from torch_threadsafe_compile.registry import PatchSpec
+
+SPEC = PatchSpec(
+    id="export_flag",
+    hazard="H7",
+    summary="torch.compiler.is_exporting() is True only in the thread that exports",
+    upstream="pytorch/pytorch#105943 (PT2 is not thread safe); _is_exporting_flag is process-global",
+    torch_versions=">=2.9",
+    modules=("torch.compiler",),
+    after=("compile_session_flag",),
+    tested="2.11.0, 2.13.0",
+)
+
+FLAG = "_is_exporting_flag"
+
+
+def _module() -> Any:
+    return sys.modules["torch.compiler"]
+
+
+def check() -> str | None:
+    mod = _module()
+    if FLAG not in mod.__dict__:
+        return f"torch.compiler.{FLAG} not found"
+    if not callable(getattr(mod, "is_exporting", None)):
+        return "torch.compiler.is_exporting not found"
+    return None
+
+
+def apply(changes: Changes) -> dict[str, Any]:
+    mod = _module()
+    thread_local_global(changes, mod, FLAG, [mod.is_exporting])
+    return {}
+
+
+def verify() -> None:
+    mod = _module()
+    setattr(mod, FLAG, True)  # the way torch/_export/utils.py sets it
+    try:
+        if not mod.is_exporting():
+            raise AssertionError("is_exporting() does not see this thread's flag")
+        if run_in_thread(mod.is_exporting):
+            raise AssertionError("another thread sees this thread's export flag")
+    finally:
+        setattr(mod, FLAG, False)
