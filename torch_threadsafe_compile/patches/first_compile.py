@@ -46,6 +46,7 @@ Functions compiled *before* an explicit ``install()`` have no gate: they keep up
 
 from __future__ import annotations
 
+import builtins
 import functools
 import os
 import sys
@@ -72,6 +73,8 @@ SPEC = PatchSpec(
 # soon as dynamo's lookup sees it; the bound is a safety net for an entry that passes here but that the
 # C lookup would still reject. Spurious misses (see the module docstring) rarely repeat more than twice.
 MAX_RETRIES = 16
+PENDING_S = 2.0  # how long a compile result counts as in the cache before dynamo has inserted it
+CALL_RESUME = "__torch_threadsafe_compile_call_resume__"  # builtins name the closure trampolines call
 # Bounds of the wait for another thread's flight (see the module docstring): after its last compile
 # ended, at most FOLLOW_FACTOR x its compile time (at least 1 s, at most FOLLOW_MAX_S); in all, at most
 # COMPILE_WAIT_MAX_S. A thread that is itself compiling (a backend that runs compiled code) never waits.
@@ -368,9 +371,34 @@ def apply(changes: Changes) -> dict[str, Any]:
             return make_gate(result)
         return result
 
+    # Code just compiled whose cache entry dynamo has not inserted yet: the C code inserts it after the
+    # callback returned, i.e. after compile_lock was released, so a thread that takes the lock in that
+    # window would not see it in the cache. Kept for PENDING_S; keyed by the frame's code object.
+    pending: dict[types.CodeType, list[tuple[float, Any, Any]]] = {}
+
+    def remember_pending(code: types.CodeType, result: Any, backend: Any) -> None:
+        guarded = getattr(result, "guarded_code", result)
+        checker = _entry_checker(guarded) if guarded is not None else None
+        if checker is None:
+            return
+        now = time.monotonic()
+        fresh = [p for p in pending.get(code, ()) if now - p[0] < PENDING_S]
+        fresh.append((now, checker, backend))
+        pending[code] = fresh
+
     def matching_entry(frame: Any, backend: Any) -> bool:
         """Whether the cache holds an entry dynamo's lookup would use for ``frame`` (guards and backend)."""
         f_locals = frame.f_locals
+        just_compiled = pending.get(frame.f_code)
+        if just_compiled:
+            now = time.monotonic()
+            for created, check_fn, saved_backend in just_compiled:
+                if now - created < PENDING_S and _same_backend(saved_backend, backend):
+                    try:
+                        if check_fn(f_locals):
+                            return True
+                    except Exception:
+                        continue
         for entry in get_entries(frame.f_code):
             if not _same_backend(getattr(entry, "backend", backend), backend):
                 continue
@@ -447,6 +475,7 @@ def apply(changes: Changes) -> dict[str, Any]:
         for helper in (gate_code, resume_gate_code, make_gated_factory(lambda: None).__code__, *_HELPER_CODES):
             skip_code(helper)
     resume_gates: list[tuple[dict[str, Any], str, Any, Any]] = []
+    closure_resumes: list[types.CodeType] = []
     output_graph_file = os.path.join("torch", "_dynamo", "output_graph.py")
 
     def gate_continuations(frame: Any, result: Any) -> None:
@@ -456,8 +485,9 @@ def apply(changes: Changes) -> dict[str, Any]:
         compiled function's module, and the compiled code loads it by name when it calls it. Behind a
         gate, a continuation frame is the top frame of a gated call: a spurious cache miss there is
         retried instead of compiled again. A continuation that needs a closure is built at call time:
-        from torch 2.12 by a factory stored as that global (which gets a gated factory), before 2.12 by
-        the compiled code itself from a code object (which keeps upstream behaviour).
+        from torch 2.12 by a factory stored as that global (which gets a gated factory); before 2.12 by
+        the compiled code itself, from a code object among its constants (which a dynamo bytecode hook
+        swaps for a trampoline with the same free variables, see ``closure_trampoline``).
         """
         if not callable(skip_code):
             return
@@ -480,6 +510,54 @@ def apply(changes: Changes) -> dict[str, Any]:
                 continue
             scope[name] = gate
             resume_gates.append((scope, name, fn, gate))
+
+    def closure_trampoline(real: types.CodeType) -> types.CodeType | None:
+        """A code object that the compiled code can make a function of, with the same closure cells, and
+        that calls ``real`` (made a function of those cells) through a resume gate. None if the free
+        variables cannot be reproduced in the same order (the continuation then stays as upstream)."""
+        fvs = real.co_freevars
+        if not all(n.isidentifier() for n in fvs):
+            return None
+        key = len(closure_resumes)
+        body = "\n".join(f"    {n} = None" for n in fvs)
+        src = (
+            f"def ttc_outer():\n{body}\n"
+            f"    def {real.co_name}(*args, **kwargs):\n"
+            f"        def ttc_cells():\n"
+            f"            return ({', '.join(fvs)},)\n"
+            f"        return {CALL_RESUME}({key}, ttc_cells, args, kwargs)\n"
+            f"    return {real.co_name}\n"
+        )
+        ns: dict[str, Any] = {}
+        exec(compile(src, "<torch-threadsafe-compile continuation trampoline>", "exec"), ns)
+        tramp = ns["ttc_outer"]().__code__
+        if tramp.co_freevars != fvs:
+            return None
+        closure_resumes.append(real)
+        skip_code(tramp)
+        return tramp
+
+    def call_closure_resume(key: int, cells_fn: Any, args: Any, kwargs: Any) -> Any:
+        # Runs under dynamo's callback (called from compiled code): no comprehension, no Python
+        # callee that is not skipped, so that dynamo sees no frame of ours but the continuation's.
+        real = closure_resumes[key]
+        by_name = dict(zip(cells_fn.__code__.co_freevars, cells_fn.__closure__))
+        cells = []
+        for n in real.co_freevars:
+            cells.append(by_name[n])
+        fn = types.FunctionType(real, sys._getframe(1).f_globals, real.co_name, None, tuple(cells))
+        return make_resume_gate(fn, wraps=False)(*args, **kwargs)
+
+    def closure_continuations_hook(code: types.CodeType, out_code: types.CodeType) -> types.CodeType | None:
+        """Dynamo bytecode hook: swap the code constants of closure continuations for trampolines."""
+        consts = list(out_code.co_consts)
+        changed = False
+        for i, c in enumerate(consts):
+            if isinstance(c, types.CodeType) and c.co_freevars and c.co_name.startswith("torch_dynamo_resume_in_"):
+                tramp = closure_trampoline(c)
+                if tramp is not None:
+                    consts[i], changed = tramp, True
+        return out_code.replace(co_consts=tuple(consts)) if changed else None
 
     def restore_continuations() -> None:
         for scope, name, fn, gate in resume_gates:
@@ -521,6 +599,8 @@ def apply(changes: Changes) -> dict[str, Any]:
                 result = orig_cb_call(self, frame, cache_entry, frame_state, *rest, **kw)
             finally:
                 _compiling.depth -= 1
+            if getattr(result, "guarded_code", result) is not None:
+                remember_pending(frame.f_code, result, _backend_of(self))
             gate_continuations(frame, result)
             return result
 
@@ -556,6 +636,16 @@ def apply(changes: Changes) -> dict[str, Any]:
 
     changes.wrap(ctx_cls, "__call__", gate_compiled)
     changes.on_revert(restore_continuations)
+    if callable(skip_code):
+        # Trampolines are made into functions with the compiled frame's globals, so they find their
+        # helper through the builtins (a private name).
+        changes.inject(builtins, CALL_RESUME, call_closure_resume)
+        skip_code(call_closure_resume.__code__)
+        skip_code(make_resume_gate.__code__)
+        register = getattr(cf, "register_bytecode_hook", None)
+        if callable(register):  # dynamo's own API for rewriting the code it generates
+            handle = register(closure_continuations_hook)
+            changes.on_revert(handle.remove)
     changes.setattr(cf.CatchErrorsWrapper, "__call__", callback_call)
     _state.update(cw_code=cw_code, gate_code=gate_code, make_gate=make_gate)
     return {}
