@@ -102,6 +102,14 @@ def test_h6_assignments_reach_every_thread_patches_stay_local() -> None:
     assert on["main_during_patch_sees"] == 64
 
 
+@pytest.mark.skipif(TV >= Version("2.12"), reason="H5 (dynamic flags) fixed upstream in torch 2.12 (config patches are per-thread)")
+def test_h5_dynamic_flags_stay_in_the_calling_thread() -> None:
+    """patch dynamic_flags: calls of a dynamic=True function do not change the shape flags other threads see."""
+    off, on = pair("dynamic_flag_poll", seconds=2)
+    assert off["flipped"] > 0
+    assert on["flipped"] == 0 and on["polls"] > 1000 and on["calls"] > 100 and on["after"] == on["default"]
+
+
 # -- H3: first_compile ---------------------------------------------------------------------------------
 h3_env = pytest.mark.skipif(cuda_build_without_gpu(), reason="CUDA build of torch without a GPU: concurrent compile and "
                             "execution can segfault in FakeTensorMode.__enter__ with or without the package (docs/hazards.md, H3)")
@@ -136,6 +144,21 @@ def test_h3_one_compile_per_guard_set() -> None:
     assert on["graphs"] == 2 and on["errors"] == 0
 
 
+@h3_env
+@pytest.mark.parametrize(
+    "graph_break,closure", [(0, 0), (1, 0), (1, 1)], ids=["plain", "graph-break", "graph-break-closure"]
+)
+def test_h3_no_recompile_after_warmup(graph_break: int, closure: int) -> None:
+    """patch first_compile: after every guard set is compiled, 16 threads calling with those inputs compile
+    nothing more. Upstream, dynamo's lookup misses entries that other threads move to the front of the
+    entry list, recompiles, and past the recompile limit runs calls uncompiled."""
+    off, on = pair("lookup_race", unpatched_may_crash=True, threads=16, seconds=6, graph_break=graph_break, closure=closure)
+    if "crashed" not in off:
+        assert off["extra_graphs"] > 0 or off["uncompiled_frames"] > 0
+    assert on["extra_graphs"] == 0 and on["uncompiled_frames"] == 0
+    assert on["errors"] == 0 and on["wrong_results"] == 0 and on["calls"] > 100
+
+
 # -- H7: fx_patcher ------------------------------------------------------------------------------------
 @pytest.mark.skipif(TV < Version("2.6"), reason="torch < 2.6 has no _new_patcher: fx_patcher skips itself there (docs/compat.md)")
 def test_h7_fx_symbolic_trace_patches_only_its_own_thread() -> None:
@@ -144,3 +167,23 @@ def test_h7_fx_symbolic_trace_patches_only_its_own_thread() -> None:
     assert off["errors"] > 0  # e.g. NameError: module is not installed as a submodule
     assert on["errors"] == 0 and on["wrong"] == 0
     assert on["traces"] > 10 and on["eager_calls"] > 100
+
+
+# -- H7: export_flag, export_lock ------------------------------------------------------------------------
+@pytest.mark.skipif(TV < Version("2.9"), reason="torch < 2.9 has no torch.compiler._is_exporting_flag")
+def test_h7_is_exporting_only_in_the_exporting_thread() -> None:
+    """patch export_flag: while a thread exports, another thread's is_exporting() is False and its
+    torch.compile(fn) compiles (upstream returns fn itself)."""
+    off, on = pair("export_flag_poll", seconds=3)
+    assert off["true"] > 0 and off["raw_returned"] > 0
+    assert on["true"] == 0 and on["raw_returned"] == 0 and on["polls"] > 1000 and on["exports"] > 0
+
+
+@h3_env
+@pytest.mark.skipif(TV < Version("2.9"), reason="measured from torch 2.9 (export's CIA overrides); older versions untested")
+def test_h7_export_does_not_break_other_threads_compiles() -> None:
+    """patch export_lock: compiles in other threads while one thread exports in a loop all succeed."""
+    off, on = pair("export_vs_compile", unpatched_may_crash=True, seconds=8, compilers=3)
+    assert "crashed" in off or off["compile_errors"] + off["export_errors"] > 0
+    assert on["compile_errors"] == 0 and on["export_errors"] == 0, on["first_error"]
+    assert on["compiles"] > 0 and on["exports"] > 0

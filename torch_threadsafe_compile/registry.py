@@ -36,6 +36,7 @@ PATCH_MODULES: tuple[str, ...] = (
     "export_flag",  # H7
     "export_lock",  # H7
     "config_overrides",  # H6
+    "dynamic_flags",  # H5
     "lazy_backward",  # H4
     "compile_lock_watchdog",  # H4 (detector)
     "first_compile",  # H3

@@ -439,6 +439,180 @@ def guard_sets(threads: int = 6, backend: str = "aot_eager") -> dict[str, Any]:
 
 
 @scenario
+def lookup_race(threads: int = 16, seconds: float = 6.0, graph_break: int = 0, closure: int = 0, backend: str = "aot_eager") -> dict[str, Any]:
+    """H3 (spurious cache misses): every guard set is compiled first, in one thread; then ``threads``
+    threads call the function with those same inputs. Any graph compiled after the warm-up is a cache
+    entry dynamo's lookup missed (it walks the entry list while other threads move entries to its front).
+    ``graph_break=1`` puts a graph break in the middle (the continuation is looked up too);
+    ``closure=1`` makes the continuation need a closure."""
+    import torch
+    import torch._dynamo.utils as du
+
+    scale = 3.0
+
+    def body(x: Any) -> Any:
+        y = x.sin() * 3
+        if graph_break:
+            torch._dynamo.graph_break()
+        return y.cos() + x * (scale if closure else 3.0)
+
+    f = torch.compile(body, backend=backend, dynamic=False)
+    inputs = [torch.randn(n, 16, dtype=dt) for dt in (torch.float32, torch.float64) for n in (4, 6)]
+    with torch.no_grad():
+        for x in inputs:
+            f(x)
+    warm = int(du.counters["stats"]["unique_graphs"])
+    errors: list[str] = []
+    wrong: list[int] = []
+    calls = [0] * threads
+    stop = time.monotonic() + seconds
+
+    def w(i: int) -> None:
+        k = i
+        with torch.no_grad():
+            while time.monotonic() < stop:
+                x = inputs[k % len(inputs)]
+                k += 1
+                try:
+                    if not torch.allclose(f(x), body(x)):
+                        wrong.append(k)
+                except Exception as e:
+                    errors.append(str(e)[:80])
+                calls[i] += 1
+
+    _start_join([threading.Thread(target=w, args=(i,)) for i in range(threads)])
+    return {
+        "graphs_after_warmup": warm,
+        "graphs_after_threads": int(du.counters["stats"]["unique_graphs"]),
+        "extra_graphs": int(du.counters["stats"]["unique_graphs"]) - warm,
+        "uncompiled_frames": _uncompiled_frames(),
+        "calls": sum(calls),
+        "errors": len(errors),
+        "wrong_results": len(wrong),
+    }
+
+
+@scenario
+def dynamic_flag_poll(seconds: float = 2.0) -> dict[str, Any]:
+    """H5: one thread calls a function compiled with ``dynamic=True``; another polls dynamo's
+    ``assume_static_by_default`` (True by default), which upstream (< 2.12) every such call flips process-wide."""
+    import torch
+    import torch._dynamo.config as config
+
+    f = torch.compile(lambda t: t * 2 + 1, backend="eager", dynamic=True)
+    x = torch.randn(8)
+    f(x)
+    default = config.assume_static_by_default
+    stop = time.monotonic() + seconds
+    seen = {"default": default, "polls": 0, "flipped": 0, "calls": 0}
+
+    def caller() -> None:
+        while time.monotonic() < stop:
+            f(x)
+            seen["calls"] += 1
+
+    def poller() -> None:
+        while time.monotonic() < stop:
+            seen["polls"] += 1
+            if config.assume_static_by_default != default:
+                seen["flipped"] += 1
+
+    _start_join([threading.Thread(target=caller), threading.Thread(target=poller)])
+    seen["after"] = config.assume_static_by_default
+    return seen
+
+
+@scenario
+def export_flag_poll(seconds: float = 3.0) -> dict[str, Any]:
+    """H7 (export flag): one thread runs torch.export in a loop; another polls torch.compiler.is_exporting()
+    and calls torch.compile(fn), which upstream returns ``fn`` itself (uncompiled) while any thread exports."""
+    import torch
+
+    class M(torch.nn.Module):
+        def forward(self, x: Any) -> Any:
+            return x.relu() + 1
+
+    m, x = M(), torch.randn(3, 8)
+    torch.export.export(m, (x,), strict=False)  # warm: imports and first-time registrations
+    stop = time.monotonic() + seconds
+    seen = {"polls": 0, "true": 0, "raw_returned": 0, "exports": 0}
+
+    def exporter() -> None:
+        while time.monotonic() < stop:
+            torch.export.export(m, (x,), strict=False)
+            seen["exports"] += 1
+
+    def poller() -> None:
+        fn = lambda t: t * 2  # noqa: E731
+        while time.monotonic() < stop:
+            seen["polls"] += 1
+            if torch.compiler.is_exporting():
+                seen["true"] += 1
+            if seen["polls"] % 50 == 0 and torch.compile(fn, backend="eager") is fn:
+                seen["raw_returned"] += 1
+
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _start_join([threading.Thread(target=exporter), threading.Thread(target=poller)])
+    return seen
+
+
+@scenario
+def export_vs_compile(seconds: float = 8.0, compilers: int = 3) -> dict[str, Any]:
+    """H7 (export overrides): one thread runs torch.export in a loop while ``compilers`` threads compile new
+    functions; export's process-wide operator overrides make those compiles fail upstream."""
+    import torch
+
+    class M(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+
+        def forward(self, x: Any) -> Any:
+            return torch.relu(self.lin(x)) + 1
+
+    m = M()
+    torch.export.export(m, (torch.randn(3, 8),), strict=False)
+    torch.compile(lambda t: t + 1, backend="aot_eager")(torch.randn(2))
+    stop = time.monotonic() + seconds
+    out = {"exports": 0, "compiles": 0, "compile_errors": 0, "export_errors": 0, "first_error": ""}
+
+    def exporter() -> None:
+        while time.monotonic() < stop:
+            try:
+                torch.export.export(m, (torch.randn(3, 8),), strict=False)
+                out["exports"] += 1
+            except Exception as e:
+                out["export_errors"] += 1
+                out["first_error"] = out["first_error"] or f"export: {type(e).__name__}: {str(e)[:120]}"
+
+    def compiler(i: int) -> None:
+        k = 0
+        while time.monotonic() < stop:
+            k += 1
+
+            def body(x: Any, k: int = k) -> Any:
+                return (x * k).sin() + x.cos()
+
+            body.__code__ = body.__code__.replace(co_name=f"exp_{i}_{k}")
+            try:
+                torch.compile(body, backend="aot_eager")(torch.randn(4, 8))
+                out["compiles"] += 1
+            except Exception as e:
+                out["compile_errors"] += 1
+                out["first_error"] = out["first_error"] or f"compile: {type(e).__name__}: {str(e)[:120]}"
+
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _start_join([threading.Thread(target=exporter)] + [threading.Thread(target=compiler, args=(i,)) for i in range(compilers)])
+    return out
+
+
+@scenario
 def drafter_flex(drafters: int = 3, targets: int = 2, steps: int = 4, seq: int = 1024) -> dict[str, Any]:
     """H4 (CUDA): drafter threads train with compiled flex_attention (fwd+bwd, block-sparse causal
     document mask) while target threads run a compiled MLP forward. Run with a cold inductor cache
