@@ -24,13 +24,10 @@ from tests.soak import harness  # noqa: E402
 # is a variant of bench/soak.py.
 IMPORT_DYNAMO_FIRST = False
 
-# Kinds whose compiles the package reliably de-duplicates. Left out, and reported by the long mode
-# (bench/soak.py, docs/reliability.md) instead:
-# * graph-break functions ("gbreak", "gprint"): continuation frames are called from compiled code and
-#   cannot be retried, so a thread that reaches one while it is being compiled compiles it again;
-# * "mod_compile" and "train" (each thread calls torch.compile on its own module copy): sporadic extra
-#   compiles logged by dynamo as "Unexpected recompilation", not yet explained.
-COVERED_KINDS = ["plain", "nested", "plain_dyn", "mod_method"]
+# Every kind of the workload (plain, dynamic, compiled modules both ways, nested compiled functions, graph
+# breaks with and without a closure, training steps), plus one thread doing FX symbolic tracing, make_fx
+# and torch.export meanwhile. The long mode (bench/soak.py) runs the same with more threads and functions.
+SHORT_KINDS = list(harness.KINDS)
 
 
 def show(res: dict[str, Any]) -> str:
@@ -58,7 +55,7 @@ def test_patches_applied() -> None:
 def test_soak_short() -> None:
     """8 threads x 8 functions (+1 tracer thread) for ~20 s: zero errors, hangs and uncompiled calls,
     outputs within tolerance of eager, and one compile per guard set (graphs = expected from the design)."""
-    res = run(threads=8, functions=8, duration=20, tracers=0, deadline=240, kinds=COVERED_KINDS,
+    res = run(threads=8, functions=8, duration=20, tracers=1, deadline=300, kinds=SHORT_KINDS,
               import_dynamo_first=IMPORT_DYNAMO_FIRST)
     assert res["hangs"] == 0, show(res)
     assert res["errors"] == 0, show(res)
