@@ -203,8 +203,13 @@ def _build_functions(cfg: SoakConfig, torch: Any) -> list[Fn]:
             src = f"def {name}(x):\n    return inner(x) + x.exp()\n"
             env_c: dict[str, Any] = {"inner": inner}
             env_e: dict[str, Any] = {"inner": inner_py}
-            exec(src, env_c)
-            exec(src, env_e)
+            # Compiled with this file as its file name: dynamo (torch <= 2.11) wraps a function without a
+            # source file in one shared frame (external_utils.wrap_inline's `inner`), so three such
+            # functions x 4 guard sets exhaust that frame's recompile_limit (8) even in a single thread,
+            # an upstream limit unrelated to threads.
+            code = compile(src, __file__, "exec")
+            exec(code, env_c)
+            exec(code, env_e)
             outer_c, outer_e = env_c[name], env_e[name]
             comp = torch.compile(outer_c, backend=backend, dynamic=False)
 
