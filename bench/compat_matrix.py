@@ -155,6 +155,20 @@ ROWS: List[Row] = [
         lambda r: r["graphs"] > 2 or r["errors"] > 0,
         lambda r: f"{_n(r['graphs'])} graphs" + (f", {_n(r['errors'])} errors" if r["errors"] else ""),
         ("graphs", "errors")),
+    Row("lookup_race", "H3", "spurious cache misses: graphs compiled after every guard set was (graph break, 16 threads)",
+        "lookup_race", {"graph_break": 1, "seconds": 5}, "first_compile",
+        lambda r: r["extra_graphs"] > 0 or r["uncompiled_frames"] > 0 or r["errors"] > 0,
+        lambda r: f"{_n(r['extra_graphs'])} extra graphs, {_n(r['uncompiled_frames'])} eager",
+        ("extra_graphs", "uncompiled_frames", "errors")),
+    Row("dynamic_flag_poll", "H5", "dynamic=True calls flip assume_static_by_default for other threads", "dynamic_flag_poll",
+        {"seconds": 2}, "dynamic_flags", lambda r: r["flipped"] > 0, lambda r: f"{_n(r['flipped'])} flipped polls",
+        ("flipped",)),
+    Row("export_flag_poll", "H7", "is_exporting() True in other threads while one exports", "export_flag_poll",
+        {"seconds": 3}, "export_flag", lambda r: r["true"] > 0 or r["raw_returned"] > 0,
+        lambda r: f"{_n(r['true'])} true polls, {_n(r['raw_returned'])} raw fns", ("true", "raw_returned")),
+    Row("export_vs_compile", "H7", "compiles in 3 threads while one exports (errors)", "export_vs_compile",
+        {"seconds": 6}, "export_lock", lambda r: r["compile_errors"] + r["export_errors"] > 0,
+        lambda r: f"{_n(r['compile_errors'] + r['export_errors'])} errors", ("compile_errors", "export_errors")),
 ]
 
 
