@@ -6,7 +6,16 @@ the same first call compile the same graph N times (measured: 8 threads → 8 co
 past ``recompile_limit`` the rest run *uncompiled* with an "Unexpected recompilation" warning — for
 flex_attention, the unfused O(S²) path.
 
-This patch makes the waiting threads look again:
+A second upstream race makes threads recompile entries that *are* cached: dynamo's C ``lookup()`` walks a
+code object's entry list and runs each entry's root guard manager, whose ``check`` releases the GIL to
+take its mutex; meanwhile a hit in another thread moves an entry to the front of the list
+(``move_to_front``), and the walking thread never reaches it (a *spurious miss*; dynamo then logs
+"Unexpected recompilation: runtime guards failed even though they passed during recompilation-reason
+analysis"). Measured: 16 threads calling with inputs whose guard sets were all compiled beforehand,
+4–8 extra graphs and 8–14 uncompiled frames in 6 s (torch 2.13). Upstream reworked the lookup after 2.15
+(pytorch/pytorch#195355).
+
+This patch makes the threads look again:
 
 * ``torch.compile()`` (every ``_TorchDynamoContext.__call__`` that returns dynamo's ``compile_wrapper``,
   so ``torch.compile(module)``, ``module.compile()``, decorators and torch's own internal compiles) gets
@@ -15,31 +24,37 @@ This patch makes the waiting threads look again:
   gate's Python call;
 * the frame callback (``convert_frame.CatchErrorsWrapper.__call__``, patched on the class so callbacks
   built before activation are covered) recognises the *top* frame of a gated call — the frame whose
-  caller is ``compile_wrapper`` called by the gate. For it, it takes ``compile_lock`` first and then
-  checks the guards of the cache entries that exist *now*; if one passes, another thread compiled what
-  this one needs while it waited, so it raises a private retry signal instead of compiling. The frame has
-  not started executing, so the gate simply calls again and dynamo's C lookup now hits;
+  caller is ``compile_wrapper`` called by the gate. For it, it checks the guards (and backend) of the
+  cache entries that exist now, first without ``compile_lock`` (a spurious miss) and then holding it
+  (another thread compiled what this one needs while it waited); if one passes it raises a private retry
+  signal instead of compiling. The frame has not started executing, so the gate calls again and
+  dynamo's C lookup hits. Dynamo inserts a new entry only after the callback returned (after the lock
+  was released), so a fresh compile result counts as cached for ``PENDING_S``;
 * a gated call retries at most ``MAX_RETRIES`` times, then compiles as upstream would (a safety net for
-  entries whose guards pass but that dynamo will not use, e.g. another backend's);
+  an entry that passes here but that the C lookup would still reject);
 * ``torch.compile(module)`` and ``module.compile()`` reach the compiled ``forward`` through ``nn.Module``'s
-  call plumbing; on its hook-free fast path nothing runs before ``forward``, so that frame counts as the
-  top frame too. With forward (pre-)hooks registered, the hooks would run twice on a retry: such calls
-  compile as upstream;
-* inner frames (graph-break continuations, functions called from compiled code) cannot be retried that
-  way: when dynamo's callback sees one, the frame is already running. So they are kept from being
-  compiled once per thread *before* they are reached: a gated call that compiles anything (its top
-  frame or an inner frame) is a *flight* of its function until the call returns; other threads entering
-  the gate of the same function (same top code object, so per-thread ``torch.compile(module copy)``
-  counts as one function) wait for the flight to land before they call, holding no lock. By then the
-  continuations the flight compiled are cached. The wait lasts while the flight compiles (upstream
-  would wait for ``compile_lock`` as long) and at most ``FOLLOW_FACTOR`` times its compile time after
-  that (1 s … ``FOLLOW_MAX_S``), so threads that depend on each other inside a first call cannot hang;
-  at most ``COMPILE_WAIT_MAX_S`` in all.
+  call plumbing (and fx_patcher's dispatcher while a trace has ``Module.__call__`` patched); on its
+  hook-free fast path nothing runs before ``forward``, so that frame counts as the top frame too. With
+  forward (pre-)hooks registered, the hooks would run twice on a retry: such calls compile as upstream;
+* graph-break continuations are called from compiled code, so the gate cannot retry them. Dynamo stores
+  each as a global of the compiled function's module (``__resume_at_<offset>``, loaded by name at the
+  call), or, when it needs a closure, as a factory global (torch >= 2.12) or a code constant of the
+  compiled code (before 2.12). Each gets a retrying gate in its place: the global, the factory's result,
+  or a trampoline swapped in by a dynamo bytecode hook. A continuation frame is then the top frame of a
+  gated call;
+* other inner frames (functions called from compiled code that dynamo compiles on their own) cannot be
+  retried. A gated call that compiles anything is a *flight* of its function until the call returns;
+  other threads entering the gate of the same function (same top code object, so per-thread
+  ``torch.compile(module copy)`` counts as one function) wait for the flight to land before they call,
+  holding no lock. The wait lasts while the flight compiles (upstream would wait for ``compile_lock`` as
+  long) and at most ``FOLLOW_FACTOR`` times its compile time after that (1 s … ``FOLLOW_MAX_S``), at most
+  ``COMPILE_WAIT_MAX_S`` in all; a thread that holds ``compile_lock`` (compiling, exporting) never waits.
 
-No new lock is introduced (``compile_lock`` is dynamo's own RLock, taken a few lines earlier than
-upstream), so no new lock-order can deadlock. A compile that raises releases the lock on the way out and
-the error reaches that caller; the waiting threads then find no matching entry and compile themselves
-(each gets the same error if it is deterministic). ``KeyboardInterrupt``/``SystemExit`` unwind the same way.
+Besides a leaf lock for the flight table (nothing is acquired while it is held), no new lock is
+introduced: ``compile_lock`` is dynamo's own RLock, taken a few lines earlier than upstream, so no new lock
+order can deadlock. A compile that raises releases the lock on the way out and the error reaches that
+caller; the waiting threads then find no matching entry and compile themselves (each gets the same error
+if it is deterministic). ``KeyboardInterrupt``/``SystemExit`` unwind the same way.
 
 Functions compiled *before* an explicit ``install()`` have no gate: they keep upstream behaviour for H3.
 """
@@ -204,14 +219,22 @@ def _land(key: Any, gate_frame: Any) -> None:
 
 
 # Per thread: how many dynamo callbacks (compiles) are under way in this thread. A compiling thread holds
-# compile_lock, so it must never wait for another thread's flight (that thread may need the lock).
+# (or is about to take) compile_lock, and so does an exporting or FX-tracing one: none of them may wait for
+# another thread's flight, which may need the lock.
 _compiling = threading.local()
+
+
+def _holds_compile_lock() -> bool:
+    """Whether this thread holds dynamo's compile_lock (a compile, an export, an FX trace)."""
+    cf = sys.modules.get("torch._dynamo.convert_frame")
+    is_owned = getattr(getattr(cf, "compile_lock", None), "_is_owned", None)
+    return bool(is_owned()) if callable(is_owned) else False
 
 
 def _await_flights(key: Any) -> float:
     """Wait (bounded, no lock held) until other threads' flights of ``key`` have landed; seconds waited."""
     flights = _flights.get(key)
-    if not flights or getattr(_compiling, "depth", 0):
+    if not flights or getattr(_compiling, "depth", 0) or _holds_compile_lock():
         return 0.0
     me = threading.get_ident()
     t0 = time.monotonic()
@@ -232,7 +255,7 @@ def _await_flights(key: Any) -> float:
 
 
 # Code objects dynamo must run as they are when a gated call happens inside compiled code.
-_HELPER_CODES = (_takeoff.__code__, _land.__code__, _await_flights.__code__, _Flight.__init__.__code__)
+_HELPER_CODES = (_takeoff.__code__, _land.__code__, _await_flights.__code__, _holds_compile_lock.__code__, _Flight.__init__.__code__)
 
 
 def _gate_key(compile_wrapper: Callable[..., Any]) -> types.CodeType | None:
