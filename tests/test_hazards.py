@@ -180,7 +180,6 @@ def test_h7_is_exporting_only_in_the_exporting_thread() -> None:
 
 
 @h3_env
-@pytest.mark.skipif(TV < Version("2.9"), reason="measured from torch 2.9 (export's CIA overrides); older versions untested")
 def test_h7_export_does_not_break_other_threads_compiles() -> None:
     """patch export_lock: compiles in other threads while one thread exports in a loop all succeed."""
     off, on = pair("export_vs_compile", unpatched_may_crash=True, seconds=8, compilers=3)
