@@ -410,28 +410,20 @@ def apply(changes: Changes) -> dict[str, Any]:
         pending[code] = fresh
 
     def matching_entry(frame: Any, backend: Any) -> bool:
-        """Whether the cache holds an entry dynamo's lookup would use for ``frame`` (guards and backend)."""
+        """Whether the cache holds an entry dynamo's lookup would use for ``frame`` (guards and backend),
+        counting a compile result that dynamo has not inserted yet."""
+        now = time.monotonic()
+        candidates = [(check_fn, saved) for created, check_fn, saved in pending.get(frame.f_code, ()) if now - created < PENDING_S]
+        candidates += [(_entry_checker(e), getattr(e, "backend", backend)) for e in get_entries(frame.f_code)]
         f_locals = frame.f_locals
-        just_compiled = pending.get(frame.f_code)
-        if just_compiled:
-            now = time.monotonic()
-            for created, check_fn, saved_backend in just_compiled:
-                if now - created < PENDING_S and _same_backend(saved_backend, backend):
-                    try:
-                        if check_fn(f_locals):
-                            return True
-                    except Exception:
-                        continue
-        for entry in get_entries(frame.f_code):
-            if not _same_backend(getattr(entry, "backend", backend), backend):
+        for check_fn, saved_backend in candidates:
+            if check_fn is None or not _same_backend(saved_backend, backend):
                 continue
-            check_fn = _entry_checker(entry)
-            if check_fn is not None:
-                try:
-                    if check_fn(f_locals):
-                        return True
-                except Exception:
-                    continue
+            try:
+                if check_fn(f_locals):
+                    return True
+            except Exception:
+                continue
         return False
 
     module_file = os.path.join("torch", "nn", "modules", "module.py")
@@ -616,6 +608,8 @@ def apply(changes: Changes) -> dict[str, Any]:
     def callback_call(self: Any, frame: Any, cache_entry: Any, frame_state: Any, *rest: Any, **kw: Any) -> Any:
         if getattr(_internal, "busy", False):  # a frame created by the flight bookkeeping itself
             return orig_cb_call(self, frame, cache_entry, frame_state, *rest, **kw)
+        backend = _backend_of(self)  # what dynamo's lookup compares entries against
+
         def compile_frame() -> Any:
             _compiling.depth = getattr(_compiling, "depth", 0) + 1
             try:
@@ -623,7 +617,7 @@ def apply(changes: Changes) -> dict[str, Any]:
             finally:
                 _compiling.depth -= 1
             if getattr(result, "guarded_code", result) is not None:
-                remember_pending(frame.f_code, result, _backend_of(self))
+                remember_pending(frame.f_code, result, backend)
             gate_continuations(frame, result)
             return result
 
@@ -638,7 +632,6 @@ def apply(changes: Changes) -> dict[str, Any]:
         del caller
         code = frame.f_code
         retry_allowed = outer.f_locals.get("attempt", MAX_RETRIES) < MAX_RETRIES
-        backend = _backend_of(self)
         if retry_allowed and matching_entry(frame, backend):
             # Dynamo's lookup missed an entry that is in the cache: it walks the entry list while
             # other threads move entries to its front (see the module docstring). Look again.
