@@ -28,10 +28,9 @@ try:
 except Exception as e:  # the shadowed sitecustomize failed: report as Python itself would, then go on
     sys.stderr.write(f"Error in sitecustomize (chained by torch-threadsafe-compile): {e!r}\n")
 
-if os.environ.get("TTC_DISABLE", "").strip().lower() not in ("1", "true", "yes", "on", "all"):
-    try:
-        from torch_threadsafe_compile import _bootstrap
+try:  # TTC_DISABLE and the other TTC_* variables are read by the bootstrap (torch_threadsafe_compile/_env.py)
+    from torch_threadsafe_compile import _bootstrap
 
-        _bootstrap.activate("sitecustomize")
-    except Exception as e:
-        sys.stderr.write(f"torch-threadsafe-compile: not activated ({e!r})\n")
+    _bootstrap.activate("sitecustomize")
+except Exception as e:
+    sys.stderr.write(f"torch-threadsafe-compile: not activated ({e!r})\n")

@@ -5,10 +5,13 @@ lazily, when the torch modules concerned are imported. Programs that cannot rely
 :func:`install`. ``TTC_DISABLE=1`` turns everything off. See ``python -m torch_threadsafe_compile doctor``.
 
 This module stays import-light on purpose: the start-up bootstrap lives in the same package, so nothing
-here may import torch, wrapt or packaging at module level.
+here may import torch, wrapt, packaging or ``typing`` at module level.
 """
 
 from __future__ import annotations
+
+from torch_threadsafe_compile._state import TTCWarning
+from torch_threadsafe_compile._version import __version__
 
 # `typing` costs ~2.5 ms to import: far more than the whole bootstrap. Annotations here are strings
 # (postponed evaluation), so it is only needed by type checkers.
@@ -16,27 +19,32 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any
 
-__version__ = "0.1.0"
-__all__ = ["install", "uninstall", "status", "is_patched", "get_original", "__version__"]
+__all__ = ["install", "uninstall", "status", "is_patched", "get_original", "TTCWarning", "__version__"]
 
 
 def install() -> dict[str, Any]:
     """Apply every patch that fits this torch, now and for torch modules imported later. Idempotent.
 
     Covers compiled functions created before the call for the tracing/config patches (H1, H2, H6, H4);
-    functions compiled before the call keep upstream behaviour for H3 (see ``first_compile``).
+    functions compiled before the call keep upstream behaviour for H3 (see ``patches/first_compile``).
     Does nothing when ``TTC_DISABLE`` is set to a true value. Returns :func:`status`.
     """
-    from torch_threadsafe_compile import registry
+    from torch_threadsafe_compile import _bootstrap, _env, _lifecycle, _status
 
-    return registry.install()
+    if not _env.current().disabled:
+        _lifecycle.reset_for_install()
+        if not _bootstrap.activate("explicit"):
+            return _status.build()
+        _lifecycle.apply_ready()
+    return _status.build()
 
 
 def uninstall() -> None:
     """Revert every applied patch; the original torch objects are restored, identity included."""
-    from torch_threadsafe_compile import registry
+    from torch_threadsafe_compile import _bootstrap, _lifecycle
 
-    registry.uninstall()
+    _lifecycle.revert_all()
+    _bootstrap.deactivate()
 
 
 def status() -> dict[str, Any]:
@@ -47,20 +55,34 @@ def status() -> dict[str, Any]:
     where ``state`` is one of ``pending`` (waits for its torch module to be imported), ``applied``,
     ``skipped``, ``failed``, ``reverted``, ``disabled``.
     """
-    from torch_threadsafe_compile import registry
+    from torch_threadsafe_compile import _status
 
-    return registry.status()
+    return _status.build()
 
 
-def is_patched(obj: Any, attr: str) -> bool:
-    """Whether ``obj.attr`` is currently replaced by one of our patches."""
+def is_patched(obj: Any, attr: str | None = None) -> bool:
+    """Whether a patch is in effect.
+
+    ``is_patched("fx_tracing_flag")``: whether that patch (an id of ``status()``) is applied.
+    ``is_patched(obj, "attr")``: whether ``obj.attr`` was edited by one of our patches — an attribute
+    replaced, a function whose code was swapped (``is_patched(torch.fx._symbolic_trace.Tracer, "trace")``),
+    or a module whose attribute reads are redirected (``is_patched(torch.compiler, "_is_compiling_flag")``).
+    """
+    if attr is None:
+        if not isinstance(obj, str):
+            raise TypeError("is_patched(patch_id) takes a patch id; for an attribute use is_patched(obj, 'attr')")
+        from torch_threadsafe_compile import _status
+        from torch_threadsafe_compile._lifecycle import State
+
+        return _status.patch_state(obj) is State.APPLIED
     from torch_threadsafe_compile._patching import is_patched as _is
 
     return _is(obj, attr)
 
 
 def get_original(obj: Any, attr: str) -> Any:
-    """The upstream object behind ``obj.attr`` (itself when not patched)."""
+    """The upstream object behind ``obj.attr`` (itself when not patched); for a function whose code was
+    swapped, a copy of the function with its original code."""
     from torch_threadsafe_compile._patching import get_original as _get
 
     return _get(obj, attr)

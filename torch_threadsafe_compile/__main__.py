@@ -1,70 +1,82 @@
-"""``python -m torch_threadsafe_compile doctor [--selftest] [--json]``.
+"""``python -m torch_threadsafe_compile [--version] doctor [--selftest] [--json] [--no-dynamo]``.
 
-``doctor`` imports torch (and, to show every patch's real state, ``torch._dynamo`` and
-``torch._functorch.config``; pass ``--no-dynamo`` to skip that), then prints versions, how activation
-happened, and one row per patch. ``--selftest`` runs the hazard scenarios in subprocesses, unpatched
-(``TTC_DISABLE=1``) and active, and prints a before/after table.
+``doctor`` imports torch (and, to show every patch's real state, the torch modules the patches target:
+``torch._dynamo``, ``torch._functorch.aot_autograd``, ``torch.export._trace``; ``--no-dynamo`` skips them),
+then prints versions, how activation happened, and one row per patch. ``--selftest`` runs the hazard
+scenarios in subprocesses, unpatched (``TTC_DISABLE=1``) and active, and prints a before/after table.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
+from typing import Any
 
-# What --selftest runs: (scenario, kwargs, metric shown, hazard).
-# (config_threads last: it leaves a config assignment behind in its interpreter.)
-SELFTEST = (
-    ("fx_flag_poll", {"seconds": 1.0}, "true_in_other_thread", "H1"),
-    ("is_compiling_leak", {"seconds": 1.0}, "true_in_eager_thread", "H2"),
-    ("stampede", {"threads": 8, "shapes": 1}, "graphs", "H3"),
-    ("config_threads", {}, "new_thread_sees", "H6"),
-)
+from torch_threadsafe_compile._version import __version__
+
+# Imported by doctor so that every patch can settle (they apply when these are imported).
+TARGET_MODULES = ("torch._dynamo", "torch._functorch.aot_autograd", "torch.export._trace")
+CODE_CACHE = ("none: rewritten functions are compiled at activation from torch's own source, after checking "
+              "that it is the code that runs; nothing is read from or written to disk")
 
 
-def _doctor(args: argparse.Namespace) -> int:
-    import torch_threadsafe_compile as ttc
-    from torch_threadsafe_compile import _bootstrap
-
-    expected = os.environ.get("TTC_DISABLE", "").strip().lower() not in ("1", "true", "yes", "on", "all")
+def _import_torch(with_targets: bool) -> str | None:
+    """Import torch (and the patch targets); the error text when torch is broken."""
     try:
-        import torch
+        import importlib
 
-        if not args.no_dynamo:
-            import torch._dynamo  # noqa: F401
-            import torch._functorch.config  # noqa: F401
-        torch_error = None
+        importlib.import_module("torch")
+        if with_targets:
+            for name in TARGET_MODULES:
+                importlib.import_module(name)
+        return None
     except Exception as e:  # a broken torch is exactly what a doctor must be able to report
-        torch, torch_error = None, f"{type(e).__name__}: {e}"
-    st = ttc.status()
-    if args.json:
-        print(json.dumps(st, indent=2))
-        return 0
-    print(f"torch-threadsafe-compile {st['version']}")
-    print(f"python      {st['python']}  ({sys.executable})")
-    print(f"torch       {st['torch'] if torch is not None else 'not importable: ' + str(torch_error)}")
+        return f"{type(e).__name__}: {e}"
+
+
+def _activation_line(st: dict[str, Any]) -> str:
+    from torch_threadsafe_compile import _env
+
     act = st["activation"]
     if act == "disabled":
-        act += f" ({_bootstrap.inactive_reason or 'TTC_DISABLE=' + os.environ.get('TTC_DISABLE', '')})"
-    elif act == "not activated" and expected:
-        act += " — the start-up hook did not run: is the package installed with pip (the .pth file), or sitecustomize/ on PYTHONPATH? install() still works"
-    print(f"activation  {act}")
-    print()
+        return f"{act} ({st['inactive_reason'] or 'TTC_DISABLE'})"
+    if act == "not activated" and not _env.current().disabled:
+        return (f"{act} — the start-up hook did not run: is the package installed with pip (the .pth file), "
+                "or sitecustomize/ on PYTHONPATH? install() still works")
+    return str(act)
+
+
+def _table(patches: list[dict[str, Any]]) -> list[str]:
     rows = [("patch", "hazard", "torch", "state", "detail")]
-    for p in st["patches"]:
+    for p in patches:
         detail = p["reason"]
         if p.get("replaced_by_others"):
             detail = "replaced by another patcher since: " + ", ".join(p["replaced_by_others"])
         rows.append((p["id"], p["hazard"], p["torch_versions"], p["state"], detail))
     widths = [max(len(str(r[i])) for r in rows) for i in range(4)]
-    for r in rows:
-        print("  ".join(str(c).ljust(w) for c, w in zip(r[:4], widths)) + "  " + str(r[4]))
+    return [("  ".join(str(c).ljust(w) for c, w in zip(r[:4], widths)) + "  " + str(r[4])).rstrip() for r in rows]
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    import torch_threadsafe_compile as ttc
+
+    torch_error = _import_torch(not args.no_dynamo)
+    st = ttc.status()
+    if args.json:
+        print(json.dumps(dict(st, code_cache=CODE_CACHE), indent=2))
+        return 0
+    print(f"torch-threadsafe-compile {st['version']}")
+    print(f"python      {st['python']}  ({sys.executable})")
+    print(f"torch       {st['torch'] if torch_error is None else 'not importable: ' + torch_error}")
+    print(f"activation  {_activation_line(st)}")
+    print(f"code cache  {CODE_CACHE}")
+    print()
+    print("\n".join(_table(st["patches"])))
     for p in st["patches"]:
-        stats = p.get("stats")
-        if p["id"] == "first_compile" and stats:
+        if p["id"] == "first_compile" and p.get("stats"):
             print("\ncompiles per function (first_compile):")
-            for fn, row in stats.items():
+            for fn, row in p["stats"].items():
                 print(f"  {fn}: {row}")
     if args.selftest:
         print()
@@ -73,18 +85,18 @@ def _doctor(args: argparse.Namespace) -> int:
 
 
 def _selftest() -> int:
-    from torch_threadsafe_compile import scenarios
+    from torch_threadsafe_compile import selftest
 
     print("selftest: the hazard scenarios in two fresh interpreters, unpatched (TTC_DISABLE=1) and active, side by side")
-    plan = [(name, kwargs) for name, kwargs, _, _ in SELFTEST]
-    procs = {d: scenarios.start_many(plan, env={"TTC_DISABLE": d}) for d in ("1", "0")}
-    results = {d: scenarios.collect_many(p, timeout=300) for d, p in procs.items()}
+    plan = [(c.scenario, c.kwargs) for c in selftest.PLAN]
+    procs = {d: selftest.start_many(plan, env={"TTC_DISABLE": d}) for d in ("1", "0")}
+    results = {d: selftest.collect_many(p, timeout=300) for d, p in procs.items()}
     print(f"  {'hazard':6}  {'scenario':18}  {'metric':22}  {'unpatched':>10}  {'active':>10}")
     failed = 0
-    for name, _, metric, hazard in SELFTEST:
-        vals = [results[d].get(name, {}).get(metric, "n/a") for d in ("1", "0")]
+    for c in selftest.PLAN:
+        vals = [results[d].get(c.scenario, {}).get(c.metric, "n/a") for d in ("1", "0")]
         failed += not all(isinstance(v, (int, float, bool)) for v in vals)
-        print(f"  {hazard:6}  {name:18}  {metric:22}  {vals[0]!s:>10}  {vals[1]!s:>10}")
+        print(f"  {c.hazard:6}  {c.scenario:18}  {c.metric:22}  {vals[0]!s:>10}  {vals[1]!s:>10}")
     for d, label in (("1", "unpatched"), ("0", "active")):
         if "_error" in results[d]:
             print(f"  {label} interpreter: {results[d]['_error']}")
@@ -93,11 +105,12 @@ def _selftest() -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m torch_threadsafe_compile")
+    parser.add_argument("--version", action="version", version=f"torch-threadsafe-compile {__version__}")
     sub = parser.add_subparsers(dest="cmd")
     d = sub.add_parser("doctor", help="versions, activation and the state of every patch")
     d.add_argument("--selftest", action="store_true", help="run the hazard scenarios unpatched vs active")
     d.add_argument("--json", action="store_true", help="print status() as JSON")
-    d.add_argument("--no-dynamo", action="store_true", help="do not import torch._dynamo to resolve lazy patches")
+    d.add_argument("--no-dynamo", action="store_true", help="import only torch (patches on dynamo stay pending)")
     args = parser.parse_args(argv)
     if args.cmd != "doctor":
         parser.print_help()

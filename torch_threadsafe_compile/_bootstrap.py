@@ -2,10 +2,10 @@
 
 The ``.pth`` file and ``sitecustomize`` call :func:`activate`. It reads ``TTC_*`` and, unless disabled,
 puts a small finder at the front of ``sys.meta_path`` that watches for ``torch`` and the torch
-submodules our patches target. Nothing of ours beyond this file is imported until torch is: a
-process that never imports torch pays for one tiny module and one ``os.environ`` read.
+submodules our patches target. Nothing of ours beyond this file, ``_env`` and ``_state`` is imported until
+torch is: a process that never imports torch pays for three tiny modules and one ``os.environ`` read.
 
-When a watched module finishes executing, :func:`_on_import` hands over to the registry, which applies
+When a watched module finishes executing, :func:`_on_import` hands over to ``_lifecycle``, which applies
 each patch whose target modules are all loaded. Patches are never applied by importing their targets
 early: ``import torch._dynamo`` alone costs about a second, and users who never compile should not pay it.
 
@@ -18,13 +18,15 @@ from __future__ import annotations
 import os
 import sys
 
-# How we were activated: "pth", "sitecustomize", "explicit" (install()), or None.
-mode: str | None = None
-# Why we did not activate, when we did not ("TTC_DISABLE=1", ...).
-inactive_reason: str | None = None
-# torch modules whose completed import should trigger the registry. Kept here (not derived from the
-# registry) so that the bootstrap does not have to import the registry before torch is imported;
-# tests/test_registry.py checks that this covers every patch's target modules.
+from torch_threadsafe_compile import _state
+
+TYPE_CHECKING = False  # `typing` is not worth importing at interpreter start; annotations are strings
+if TYPE_CHECKING:
+    from typing import Any
+
+# torch modules whose completed import can make a patch ready. Kept here (not derived from the patch specs)
+# so that start-up does not import the patch modules; tests/test_registry.py checks that it equals
+# ``registry.watched_modules`` of every spec.
 WATCHED = frozenset(
     {
         "torch",
@@ -35,25 +37,11 @@ WATCHED = frozenset(
         "torch._dynamo.convert_frame",
         "torch._dynamo.eval_frame",
         "torch.export._trace",
-        "torch._functorch.config",
-        "torch._higher_order_ops.utils",
-        "torch._inductor.config",
+        "torch._functorch.aot_autograd",
+        "torch._subclasses.fake_tensor",
+        "torch._inductor.cudagraph_trees",
     }
 )
-
-_warned = False
-
-
-def warn(msg: str) -> None:
-    """The one warning line we allow ourselves at start-up (later ones go to the logger)."""
-    global _warned
-    if _warned:
-        return
-    _warned = True
-    try:
-        sys.stderr.write(f"torch-threadsafe-compile: {msg}\n")
-    except Exception:  # a closed stderr must not break the user's program
-        pass
 
 
 class _LoaderProxy:
@@ -70,11 +58,11 @@ class _LoaderProxy:
     def __getattr__(self, attr: str) -> object:
         return getattr(self._ttc_loader, attr)
 
-    def create_module(self, spec):  # noqa: ANN001 - importlib protocol
+    def create_module(self, spec: Any) -> Any:
         create = getattr(self._ttc_loader, "create_module", None)
         return create(spec) if create is not None else None
 
-    def exec_module(self, module) -> None:  # noqa: ANN001
+    def exec_module(self, module: Any) -> None:
         loader = self._ttc_loader
         try:
             loader.exec_module(module)  # type: ignore[attr-defined]
@@ -97,7 +85,7 @@ class _PostImportFinder:
     def __init__(self, watched: frozenset[str]) -> None:
         self.watched = watched
 
-    def find_spec(self, name, path=None, target=None):  # noqa: ANN001, ANN201
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
         if name not in self.watched:
             return None
         for finder in sys.meta_path:
@@ -125,28 +113,38 @@ _finder: _PostImportFinder | None = None
 
 def _on_import(name: str) -> None:
     try:
-        from torch_threadsafe_compile import registry
+        from torch_threadsafe_compile import _lifecycle
 
-        registry.on_module_imported(name)
+        _lifecycle.on_module_imported(name)
     except Exception as e:  # never break the user's import of torch
-        warn(f"not active ({type(e).__name__}: {e}); torch runs unpatched")
+        _state.warn_once(f"not active ({type(e).__name__}: {e}); torch runs unpatched")
+
+
+_problems_reported = False
+
+
+def _report_problems(problems: list[str]) -> None:
+    """Bad ``TTC_*`` values: one warning line per process, whoever reads the settings first."""
+    global _problems_reported
+    if problems and not _problems_reported:
+        _problems_reported = True
+        _state.warn_once("; ".join(problems))
 
 
 def activate(how: str) -> bool:
     """Activate for this process. Returns True when active. Never raises."""
-    global mode, inactive_reason, _finder
+    global _finder
     try:
-        if mode is not None:  # a .pth listed twice, or .pth plus sitecustomize
+        if _state.mode is not None:  # a .pth listed twice, or .pth plus sitecustomize
             return True
-        from torch_threadsafe_compile._env import read_settings
+        from torch_threadsafe_compile import _env
 
-        settings = read_settings()
-        if settings.problems:
-            warn("; ".join(settings.problems))
+        settings = _env.current()
+        _report_problems(settings.problems)
         if settings.disabled:
-            inactive_reason = "TTC_DISABLE=" + os.environ.get("TTC_DISABLE", "")
+            _state.inactive_reason = "TTC_DISABLE=" + os.environ.get("TTC_DISABLE", "")
             return False
-        mode = how
+        _state.mode = how
         _finder = _PostImportFinder(WATCHED)
         sys.meta_path.insert(0, _finder)
         if "torch" in sys.modules:
@@ -155,20 +153,20 @@ def activate(how: str) -> bool:
             _on_import("torch")
         return True
     except Exception as e:
-        warn(f"not activated ({type(e).__name__}: {e})")
+        _state.warn_once(f"not activated ({type(e).__name__}: {e})")
         return False
 
 
 def deactivate() -> None:
-    """Remove the import hook (the registry reverts applied patches separately)."""
-    global mode, _finder
+    """Remove the import hook (``_lifecycle`` reverts applied patches separately)."""
+    global _finder
     if _finder is not None:
         try:
             sys.meta_path.remove(_finder)
         except ValueError:
             pass
     _finder = None
-    mode = None
+    _state.mode = None
 
 
 def activate_start() -> None:

@@ -1,19 +1,30 @@
-"""Parsing of the ``TTC_*`` environment variables.
+"""Parsing of the ``TTC_*`` environment variables: the one place that knows their values.
 
 Standard library only: this module is imported by the interpreter-start bootstrap, which must stay
 well under a millisecond and must never raise. Bad values never raise either; they produce a message
-that the caller reports (at most once) and the documented default is used instead.
+that the caller reports (one warning line per process) and the documented default is used instead.
 """
 
 from __future__ import annotations
 
 import os
 
-__all__ = ["Settings", "read_settings"]
+TYPE_CHECKING = False  # `typing` is not worth importing at interpreter start; annotations are strings
+if TYPE_CHECKING:
+    from typing import Mapping
 
-_TRUE = frozenset({"1", "true", "yes", "on", "all"})
-_FALSE = frozenset({"", "0", "false", "no", "off", "none"})
-_LOG_LEVELS = ("debug", "info", "warning", "error")
+__all__ = ["Settings", "read_settings", "current", "is_true"]
+
+TRUE_VALUES = frozenset({"1", "true", "yes", "on", "all"})
+FALSE_VALUES = frozenset({"", "0", "false", "no", "off", "none"})
+LOG_LEVELS = ("debug", "info", "warning", "error")
+# Variables this package no longer reads; setting one gets a warning instead of silence.
+RETIRED = {"TTC_CACHE_DIR": "the package keeps no on-disk cache any more (nothing of it is read or written)"}
+
+
+def is_true(value: str | None) -> bool:
+    """Whether ``value`` is one of the documented true values of a boolean ``TTC_*`` variable."""
+    return (value or "").strip().lower() in TRUE_VALUES
 
 
 class Settings:
@@ -35,18 +46,17 @@ class Settings:
         )
 
 
-def read_settings(environ: "os._Environ[str] | dict[str, str] | None" = None) -> Settings:
+def read_settings(environ: Mapping[str, str] | None = None) -> Settings:
     env = os.environ if environ is None else environ
     s = Settings()
 
     raw = env.get("TTC_DISABLE", "").strip()
     low = raw.lower()
-    if low in _TRUE:
+    if low in TRUE_VALUES:
         s.disabled = True
-    elif low not in _FALSE:
+    elif low not in FALSE_VALUES:
         ids = [p.strip().replace("-", "_") for p in low.split(",") if p.strip()]
-        bad = [p for p in ids if not p.replace("_", "").isalnum()]
-        if bad:
+        if [p for p in ids if not p.replace("_", "").isalnum()]:
             # Not a list of patch ids and not a boolean: the documented default is "enabled".
             s.problems.append(f"TTC_DISABLE={raw!r} is neither a boolean nor a list of patch ids; ignored")
         else:
@@ -54,18 +64,33 @@ def read_settings(environ: "os._Environ[str] | dict[str, str] | None" = None) ->
 
     raw = env.get("TTC_LOG", "").strip().lower()
     if raw:
-        if raw in _LOG_LEVELS:
+        if raw in LOG_LEVELS:
             s.log_level = raw
         else:
-            s.problems.append(f"TTC_LOG={raw!r} is not one of {'|'.join(_LOG_LEVELS)}; using the default")
+            s.problems.append(f"TTC_LOG={raw!r} is not one of {'|'.join(LOG_LEVELS)}; using the default")
 
     raw = env.get("TTC_WATCHDOG", "").strip()
-    if raw and raw.lower() not in _FALSE:
+    if raw and raw.lower() not in FALSE_VALUES:
         try:
             v = float(raw)
-            if not (v > 0 and v < float("inf")):
+            if not (0 < v < float("inf")):
                 raise ValueError
             s.watchdog_s = v
         except ValueError:
             s.problems.append(f"TTC_WATCHDOG={raw!r} is not a positive number of seconds; watchdog off")
+
+    for name, why in RETIRED.items():
+        if env.get(name):
+            s.problems.append(f"{name} is ignored: {why}")
     return s
+
+
+_current: Settings | None = None
+
+
+def current() -> Settings:
+    """The settings of this process, read from ``os.environ`` once (a variable changed later has no effect)."""
+    global _current
+    if _current is None:
+        _current = read_settings()
+    return _current

@@ -4,24 +4,26 @@ Every change a patch makes goes through a :class:`Changes` journal, so that ``re
 what was done, in reverse order, restoring object identity; and so that ``is_patched``/``get_original``
 and ``doctor`` can answer questions about any patched attribute.
 
-Three kinds of edit:
+The kinds of edit:
 
-* ``setattr`` of an attribute (functions on classes, module attributes);
-* swapping a function's ``__code__`` — the function *object* stays the same, so references captured
+* ``setattr`` of an attribute (functions on classes, module attributes), and ``wrap`` with a transparent
+  ``wrapt.FunctionWrapper``;
+* swapping a function's ``__code__``: the function *object* stays the same, so references captured
   before we ran (closures made by ``torch.compile()``, ``from x import f``, dicts keyed by the function)
   all see the new behaviour;
 * swapping a module's ``__class__`` for a subclass with properties, so that ``module.flag`` reads and
   writes from other modules can be redirected to thread-local storage.
+
+:func:`thread_local_global` combines them to make one module global per-thread. Its code rewrites are
+computed at every activation from the target's own source, and used only when that source provably is
+the code that is running (see :func:`rewrite_global`): nothing is cached on disk, so nothing read back
+from disk is ever executed.
 """
 
 from __future__ import annotations
+import __future__
 
 import ast
-import hashlib
-import inspect
-import marshal
-import os
-import sys
 import textwrap
 import threading
 import types
@@ -37,6 +39,12 @@ class TargetMismatch(Exception):
     """A patch target does not look as expected: the patch is skipped with this reason, never guessed."""
 
 
+def _record(obj: Any, attr: str, original: Any, new: Any, patch_id: str) -> tuple[int, str]:
+    key = (id(obj), attr)
+    _journal_index[key] = (obj, attr, original, new, patch_id)
+    return key
+
+
 class Changes:
     """The journal of one patch's edits."""
 
@@ -48,18 +56,16 @@ class Changes:
     # -- edits -------------------------------------------------------------------------------
     def setattr(self, obj: Any, attr: str, new: Any) -> Any:
         """``setattr(obj, attr, new)``; returns the original. Reads the raw value (no descriptor binding)."""
-        d = getattr(obj, "__dict__", {})
-        original = d[attr] if attr in d else getattr(obj, attr, _MISSING)
+        original = raw_get(obj, attr)
         setattr(obj, attr, new)
-        key = (id(obj), attr)
-        _journal_index[key] = (obj, attr, original, new, self.patch_id)
+        key = _record(obj, attr, original, new, self.patch_id)
 
         def undo() -> None:
-            current = _raw_get(obj, attr)
+            current = raw_get(obj, attr)
+            _journal_index.pop(key, None)
             if current is not new:
                 # Somebody re-wrapped or replaced our object since (e.g. dynamo wraps functions with
                 # `disable`). Putting our original back would silently drop their change: leave it.
-                _journal_index.pop(key, None)
                 raise TargetMismatch(f"{_name(obj)}.{attr} was replaced by another patcher; left in place")
             if original is _MISSING:
                 try:
@@ -68,21 +74,20 @@ class Changes:
                     pass
             else:
                 setattr(obj, attr, original)
-            _journal_index.pop(key, None)
 
         self._undo.append(undo)
-        self._checks.append((f"{_name(obj)}.{attr}", lambda: _raw_get(obj, attr) is new))
+        self._checks.append((f"{_name(obj)}.{attr}", lambda: raw_get(obj, attr) is new))
         return original
 
     def wrap(self, owner: Any, attr: str, wrapper: Callable[..., Any]) -> Any:
         """Replace ``owner.attr`` by a ``wrapt.FunctionWrapper`` calling ``wrapper(wrapped, instance, args, kwargs)``.
 
         wrapt keeps the wrapper transparent (name, signature, ``__wrapped__``, ``inspect``, descriptor binding),
-        which matters for methods that other libraries introspect. Not for hot paths that inspect frames.
+        which matters for methods that other libraries introspect. Not for hot paths (one extra call layer).
         """
         import wrapt
 
-        original = _raw_get(owner, attr)
+        original = raw_get(owner, attr)
         if original is _MISSING:
             raise TargetMismatch(f"{_name(owner)}.{attr} not found")
         proxy = wrapt.FunctionWrapper(original, wrapper)
@@ -94,8 +99,7 @@ class Changes:
             raise TargetMismatch(f"{func.__qualname__}: closure variables differ, cannot swap its code")
         original = func.__code__
         func.__code__ = new_code
-        key = (id(func), "__code__")
-        _journal_index[key] = (func, "__code__", original, new_code, self.patch_id)
+        key = _record(func, "__code__", original, new_code, self.patch_id)
 
         def undo() -> None:
             func.__code__ = original
@@ -109,12 +113,15 @@ class Changes:
         base = type(module)
         cls = type(base.__name__, (base,), dict(properties, __ttc_patch__=self.patch_id))
         module.__class__ = cls
+        keys = [_record(module, name, module.__dict__.get(name, _MISSING), prop, self.patch_id) for name, prop in properties.items()]
 
         def undo() -> None:
+            for key in keys:
+                _journal_index.pop(key, None)
             if type(module) is cls:
                 module.__class__ = base
             else:  # somebody swapped it again on top of us: splice ourselves out of the chain
-                k = type(module)
+                k: type | None = type(module)
                 while k is not None and k.__bases__ and k.__bases__[0] is not cls:
                     k = k.__bases__[0] if k.__bases__[0] is not object else None
                 if k is not None and k.__bases__ and k.__bases__[0] is cls:
@@ -123,12 +130,12 @@ class Changes:
         self._undo.append(undo)
         self._checks.append((f"{module.__name__}.__class__", lambda: isinstance(module, cls)))
 
-    def inject(self, module: types.ModuleType, name: str, value: Any) -> None:
-        """Add a private global to ``module`` (e.g. the thread-local object that rewritten code reads)."""
-        if name in module.__dict__:
-            raise TargetMismatch(f"{module.__name__}.{name} already exists")
-        module.__dict__[name] = value
-        self._undo.append(lambda: module.__dict__.pop(name, None))
+    def inject(self, namespace: dict[str, Any], name: str, value: Any) -> None:
+        """Add a private name to a module's namespace (e.g. the thread-local object that rewritten code reads)."""
+        if name in namespace:
+            raise TargetMismatch(f"{namespace.get('__name__', '?')}.{name} already exists")
+        namespace[name] = value
+        self._undo.append(lambda: namespace.pop(name, None))
 
     def on_revert(self, fn: Callable[[], None]) -> None:
         self._undo.append(fn)
@@ -150,7 +157,8 @@ class Changes:
         return [name for name, ok in self._checks if not ok()]
 
 
-def _raw_get(obj: Any, attr: str) -> Any:
+def raw_get(obj: Any, attr: str) -> Any:
+    """``obj.attr`` without descriptor binding (``_MISSING`` when absent)."""
     d = getattr(obj, "__dict__", {})
     return d[attr] if attr in d else getattr(obj, attr, _MISSING)
 
@@ -159,16 +167,45 @@ def _name(obj: Any) -> str:
     return getattr(obj, "__qualname__", None) or getattr(obj, "__name__", None) or type(obj).__name__
 
 
+def _unwrapped(value: Any) -> Any:
+    seen = 0
+    while hasattr(value, "__wrapped__") and seen < 16:
+        value, seen = value.__wrapped__, seen + 1
+    return value
+
+
+def _entry(obj: Any, attr: str) -> tuple[Any, str, Any, Any, str] | None:
+    """The journal entry behind ``obj.attr``: the attribute itself, or the code of the function it holds
+    (looking through wrappers such as dynamo's ``disable`` and ``functools.wraps``)."""
+    entry = _journal_index.get((id(obj), attr))
+    if entry is not None:
+        return entry
+    value = raw_get(obj, attr)
+    for candidate in (value, getattr(value, "__func__", None), _unwrapped(value)):
+        if candidate is not None and candidate is not _MISSING:
+            entry = _journal_index.get((id(candidate), "__code__"))
+            if entry is not None:
+                return entry
+    return None
+
+
 def is_patched(obj: Any, attr: str) -> bool:
-    return (id(obj), attr) in _journal_index
+    return _entry(obj, attr) is not None
 
 
 def get_original(obj: Any, attr: str) -> Any:
-    """The object that was there before a patch replaced ``obj.attr`` (``obj.attr`` itself if unpatched)."""
-    entry = _journal_index.get((id(obj), attr))
+    """What upstream has at ``obj.attr``: the object a patch replaced; for a function whose code was
+    swapped, a copy of that function with its original code; ``obj.attr`` itself when not patched."""
+    entry = _entry(obj, attr)
     if entry is None:
-        return _raw_get(obj, attr)
-    return entry[2]
+        return raw_get(obj, attr)
+    target, what, original, _, _ = entry
+    if what != "__code__":
+        return original
+    copy = types.FunctionType(original, target.__globals__, target.__name__, target.__defaults__, target.__closure__)
+    copy.__kwdefaults__, copy.__qualname__, copy.__module__ = target.__kwdefaults__, target.__qualname__, target.__module__
+    copy.__dict__.update(target.__dict__)
+    return copy
 
 
 # -- thread-local module globals ------------------------------------------------------------------
@@ -177,7 +214,8 @@ def get_original(obj: Any, attr: str) -> Any:
 def make_thread_local(default: Any) -> threading.local:
     """A ``threading.local`` whose ``value`` is ``default`` in every thread until that thread sets it."""
     cls = type("ThreadLocalFlag", (threading.local,), {"value": default})
-    return cls()
+    tls: threading.local = cls()
+    return tls
 
 
 class _RenameGlobal(ast.NodeTransformer):
@@ -204,75 +242,132 @@ class _RenameGlobal(ast.NodeTransformer):
         )
 
 
-def _cache_dir() -> str | None:
-    base = os.environ.get("TTC_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "torch_threadsafe_compile"
-    )
-    return base if base and base != "0" else None
-
-
-def rewrite_global_reads(func: types.FunctionType, name: str, tls_name: str) -> types.CodeType:
-    """:func:`_rewrite_global_reads`, cached on disk.
-
-    Reading, parsing and compiling ``Tracer.trace`` takes ~15 ms at every ``import torch``; its result only
-    depends on the original code object, so it is kept (marshal) under ``~/.cache/torch_threadsafe_compile``
-    (``TTC_CACHE_DIR``; ``TTC_CACHE_DIR=0`` turns the cache off) keyed by a hash of that code object, the
-    rewrite and the Python version. A cache that cannot be read or written is simply not used.
-    """
-    from torch_threadsafe_compile import __version__
-
+def _function_source(code: types.CodeType) -> ast.FunctionDef | ast.AsyncFunctionDef:
+    """The definition of ``code`` parsed from its file (the lines its code object spans; no ``inspect``)."""
     try:
-        key = hashlib.sha256(
-            marshal.dumps(func.__code__) + f"|{name}|{tls_name}|{sys.version}|{__version__}".encode()
-        ).hexdigest()[:32]
-    except ValueError:  # an unmarshallable constant: no cache
-        return _rewrite_global_reads(func, name, tls_name)
-    directory = _cache_dir()
-    path = os.path.join(directory, f"{func.__name__}-{key}.code") if directory else None
-    if path is not None:
-        try:
-            with open(path, "rb") as fh:
-                code = marshal.load(fh)
-            if isinstance(code, types.CodeType) and code.co_freevars == func.__code__.co_freevars:
-                return code
-        except (OSError, EOFError, ValueError, TypeError):
-            pass
-    code = _rewrite_global_reads(func, name, tls_name)
-    if path is not None:
-        try:
-            os.makedirs(directory, exist_ok=True)
-            tmp = f"{path}.{os.getpid()}.tmp"
-            with open(tmp, "wb") as fh:
-                marshal.dump(code, fh)
-            os.replace(tmp, path)
-        except OSError:
-            pass
-    return code
+        with open(code.co_filename, encoding="utf-8") as fh:
+            lines = fh.read().splitlines(True)[code.co_firstlineno - 1 :]
+    except OSError as e:
+        raise TargetMismatch(f"cannot read the source of {code.co_name}: {e}") from e
+    positions = getattr(code, "co_positions", None)
+    if positions is not None:  # 3.11+: the last line any instruction spans ends the definition
+        last = max((end for _, end, _, _ in positions() if end is not None), default=code.co_firstlineno)
+        lines = lines[: last - code.co_firstlineno + 1]
+    else:  # 3.10: the indented block that starts there
+        import inspect
 
-
-def _rewrite_global_reads(func: types.FunctionType, name: str, tls_name: str) -> types.CodeType:
-    """Compile a copy of ``func`` in which global ``name`` is replaced by ``<tls_name>.value``.
-
-    The copy is compiled from ``func``'s own source, in its module's namespace and file/line numbers, so
-    tracebacks still point at the upstream lines. Raises :class:`TargetMismatch` when the source cannot
-    be read or does not mention ``name`` (upstream changed shape: skip rather than guess).
-    """
+        lines = inspect.getblock(lines)
     try:
-        src = textwrap.dedent(inspect.getsource(func))
-    except (OSError, TypeError) as e:
-        raise TargetMismatch(f"cannot read the source of {func.__qualname__}: {e}") from e
-    tree = ast.parse(src)
-    fdef = tree.body[0]
-    if not isinstance(fdef, (ast.FunctionDef, ast.AsyncFunctionDef)) or fdef.name != func.__name__:
-        raise TargetMismatch(f"unexpected source shape for {func.__qualname__}")
+        tree = ast.parse(textwrap.dedent("".join(lines)))
+    except SyntaxError as e:
+        raise TargetMismatch(f"the source of {code.co_name} does not parse on its own: {e}") from e
+    fdef = tree.body[0] if tree.body else None
+    if not isinstance(fdef, (ast.FunctionDef, ast.AsyncFunctionDef)) or fdef.name != code.co_name:
+        raise TargetMismatch(f"unexpected source shape for {code.co_name}")
     fdef.decorator_list = []
-    # Annotations may name TYPE_CHECKING-only imports; they are not needed on the code object.
+    ast.increment_lineno(fdef, code.co_firstlineno - 1)  # line 1 of the slice is co_firstlineno of the file
+    # Annotations may name TYPE_CHECKING-only imports; they are not part of the code object.
     fdef.returns = None
-    for a in fdef.args.posonlyargs + fdef.args.args + fdef.args.kwonlyargs:
-        a.annotation = None
-    for a in (fdef.args.vararg, fdef.args.kwarg):
+    for a in fdef.args.posonlyargs + fdef.args.args + fdef.args.kwonlyargs + [fdef.args.vararg, fdef.args.kwarg]:
         if a is not None:
             a.annotation = None
+    return fdef
+
+
+_FUTURE_FLAGS = 0
+for _feature in __future__.all_feature_names:
+    _FUTURE_FLAGS |= getattr(__future__, _feature).compiler_flag
+
+
+def _compile_def(
+    fdef: ast.FunctionDef | ast.AsyncFunctionDef, like: types.CodeType, imported: frozenset[str] = frozenset()
+) -> types.CodeType:
+    """Compile a single function definition and return its code object (no ``exec``: the code is dug
+    out of the module code's constants), named and placed like ``like``.
+
+    ``imported``: global names the function's module binds by ``import``. CPython (3.11+) compiles
+    ``name.attr(...)`` differently when ``name`` is import-bound at module level, so they are declared by
+    import statements in front of the definition (never executed: only the code object is used).
+    """
+    prelude: list[ast.stmt] = [ast.Import(names=[ast.alias(name="__future__", asname=n)]) for n in sorted(imported)]
+    module = ast.Module(body=[*prelude, fdef], type_ignores=[])
+    ast.fix_missing_locations(module)
+    # The module's own ``from __future__`` features (``annotations`` changes the bytecode of nested defs).
+    top = compile(module, like.co_filename, "exec", flags=like.co_flags & _FUTURE_FLAGS, dont_inherit=True)
+    code = next(c for c in top.co_consts if isinstance(c, types.CodeType))
+    if hasattr(like, "co_qualname"):
+        return code.replace(**{"co_name": like.co_name, "co_qualname": like.co_qualname})  # 3.11+
+    return code.replace(co_name=like.co_name)
+
+
+def _call_bases(fdef: ast.AST) -> set[str]:
+    """Names used as ``name.attr(...)`` in a definition (where import-bound names compile differently)."""
+    return {
+        n.func.value.id
+        for n in ast.walk(fdef)
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and isinstance(n.func.value, ast.Name)
+    }
+
+
+def _module_imports(filename: str) -> frozenset[str]:
+    """Every name bound by an ``import`` statement at module level in ``filename`` (the slow, exact way)."""
+    with open(filename, encoding="utf-8") as fh:
+        tree = ast.parse(fh.read())
+    names: set[str] = set()
+    stack: list[ast.AST] = list(tree.body)
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
+            stack.extend(ast.iter_child_nodes(node))  # module scope goes on inside if/try/with blocks
+    return frozenset(names)
+
+
+def _recompile_verified(fdef: ast.FunctionDef | ast.AsyncFunctionDef, func: types.FunctionType) -> frozenset[str]:
+    """Prove that ``fdef`` compiles to ``func``'s running code; returns the import-bound names that takes.
+
+    First guess: the names used as ``name.attr(...)`` whose global is a module (``import torch``); if that
+    does not reproduce the code, the module's import statements are read exactly (a parse of its file).
+    """
+    code = func.__code__
+    bases = _call_bases(fdef)
+    guess = frozenset(n for n in bases if isinstance(func.__globals__.get(n), types.ModuleType))
+    if _same_code(_compile_def(fdef, code, guess), code):
+        return guess
+    exact = _module_imports(code.co_filename) & bases
+    if exact != guess and _same_code(_compile_def(fdef, code, exact), code):
+        return exact
+    raise TargetMismatch(f"the source of {func.__module__}.{code.co_name} on disk is not the code that is running")
+
+
+def _same_code(a: types.CodeType, b: types.CodeType) -> bool:
+    """Same bytecode, names and constants (nested code objects compared the same way; positions ignored)."""
+    if a.co_code != b.co_code or a.co_names != b.co_names or a.co_varnames != b.co_varnames:
+        return False
+    if a.co_freevars != b.co_freevars or len(a.co_consts) != len(b.co_consts):
+        return False
+    for x, y in zip(a.co_consts, b.co_consts):
+        if isinstance(x, types.CodeType) and isinstance(y, types.CodeType):
+            if not _same_code(x, y):
+                return False
+        elif type(x) is not type(y) or x != y:
+            return False
+    return True
+
+
+def rewrite_function(func: types.FunctionType, transformer: ast.NodeTransformer, what: str) -> types.CodeType:
+    """A code object for ``func`` with its definition passed through ``transformer``.
+
+    Compiled from ``func``'s own source, in its module's file and line numbers (tracebacks still point at
+    the upstream lines). The source is used only after proving that it is what is running: compiled
+    unchanged, it must give the very bytecode, names and constants of ``func.__code__``; otherwise (a torch
+    file edited in place, a build without sources) the patch is skipped with the reason. Costs well under a
+    millisecond for the small functions it is mostly used on, which is why nothing is cached.
+    ``transformer.hits`` must count what it changed (0: ``TargetMismatch``, the target no longer has ``what``).
+    """
+    code = func.__code__
+    fdef = _function_source(code)
     mangled = {
         n.attr if isinstance(n, ast.Attribute) else n.id
         for n in ast.walk(fdef)
@@ -282,20 +377,17 @@ def _rewrite_global_reads(func: types.FunctionType, name: str, tls_name: str) ->
     }
     if mangled or "super" in {n.id for n in ast.walk(fdef) if isinstance(n, ast.Name)}:
         # Compiled outside its class, the copy would lose name mangling / the __class__ cell.
-        raise TargetMismatch(f"{func.__qualname__} uses {sorted(mangled) or ['super()']}: cannot be recompiled")
-    renamer = _RenameGlobal(name, tls_name)
-    renamer.visit(fdef)
-    if not renamer.hits:
-        raise TargetMismatch(f"{func.__module__}.{func.__qualname__} no longer uses {name}")
-    ast.fix_missing_locations(tree)
-    ast.increment_lineno(tree, func.__code__.co_firstlineno - 1)
-    code = compile(tree, func.__code__.co_filename, "exec", dont_inherit=True)
-    ns: dict[str, Any] = {}
-    exec(code, func.__globals__, ns)
-    new = ns[func.__name__].__code__
-    return new.replace(co_name=func.__code__.co_name, co_qualname=func.__code__.co_qualname) if hasattr(
-        new, "co_qualname"
-    ) else new.replace(co_name=func.__code__.co_name)
+        raise TargetMismatch(f"{code.co_name} uses {sorted(mangled) or ['super()']}: cannot be recompiled")
+    imported = _recompile_verified(fdef, func)
+    transformer.visit(fdef)
+    if not getattr(transformer, "hits", 0):
+        raise TargetMismatch(f"{func.__module__}.{code.co_name} no longer has {what}")
+    return _compile_def(fdef, code, imported)
+
+
+def rewrite_global(func: types.FunctionType, name: str, tls_name: str) -> types.CodeType:
+    """A code object for ``func`` in which global ``name`` is read and written as ``<tls_name>.value``."""
+    return rewrite_function(func, _RenameGlobal(name, tls_name), f"the global {name}")
 
 
 def thread_local_global(
@@ -306,7 +398,8 @@ def thread_local_global(
 ) -> threading.local:
     """Make module global ``name`` per-thread.
 
-    * readers/writers inside ``module`` (``functions``) get their code rewritten to use the thread-local;
+    * readers/writers inside ``module`` (``functions``, small ones) get their code rewritten to use the
+      thread-local (:func:`rewrite_global`);
     * ``module.name`` reads and writes from anywhere else go through a property on the module's class;
     * every thread starts from the value the global has now (normally the upstream default).
     """
@@ -314,8 +407,8 @@ def thread_local_global(
         raise TargetMismatch(f"{module.__name__}.{name} does not exist")
     tls = make_thread_local(module.__dict__[name])
     tls_name = f"_ttc_tls_{name.strip('_')}"
-    new_codes = [(f, rewrite_global_reads(f, name, tls_name)) for f in functions]  # all or nothing
-    changes.inject(module, tls_name, tls)
+    new_codes = [(f, rewrite_global(f, name, tls_name)) for f in functions]  # all or nothing
+    changes.inject(module.__dict__, tls_name, tls)
 
     def fget(_mod: types.ModuleType, _tls: threading.local = tls) -> Any:
         return _tls.value
@@ -329,6 +422,65 @@ def thread_local_global(
     return tls
 
 
+def route_through(
+    changes: Changes,
+    func: types.FunctionType,
+    template: Callable[..., Any],
+    helper: str,
+    around: Callable[[Callable[..., Any]], Callable[..., Any]],
+) -> None:
+    """Make every call of ``func`` go through ``around(original)``, keeping the function object.
+
+    For functions too large to rewrite cheaply, or whose body must stay upstream's: ``func`` gets the code
+    of ``template`` — a function of the same signature that only calls the global ``helper`` with its
+    arguments — placed at ``func``'s file and line; ``helper`` (injected into ``func``'s module) is
+    ``around`` applied to a copy of ``func`` with its original code. Raises :class:`TargetMismatch` when
+    the signatures differ.
+    """
+    code = func.__code__
+    tcode: types.CodeType = template.__code__  # type: ignore[attr-defined]
+    for attr in ("co_argcount", "co_posonlyargcount", "co_kwonlyargcount", "co_freevars"):
+        if getattr(code, attr) != getattr(tcode, attr):
+            raise TargetMismatch(f"{func.__qualname__}: signature differs from the expected one ({attr})")
+    n = code.co_argcount + code.co_kwonlyargcount
+    if code.co_varnames[:n] != tcode.co_varnames[:n] or (code.co_flags ^ tcode.co_flags) & 0x0C:
+        raise TargetMismatch(f"{func.__qualname__}: signature differs from the expected one")
+    if tcode.co_names != (helper,):
+        raise TargetMismatch(f"template for {func.__qualname__} must call {helper} only")
+    original = types.FunctionType(code, func.__globals__, func.__name__, func.__defaults__, func.__closure__)
+    original.__kwdefaults__, original.__qualname__ = func.__kwdefaults__, func.__qualname__
+    changes.inject(func.__globals__, helper, around(original))
+    placed = tcode.replace(co_filename=code.co_filename, co_firstlineno=code.co_firstlineno, co_name=code.co_name)
+    if hasattr(code, "co_qualname"):
+        placed = placed.replace(**{"co_qualname": code.co_qualname})  # 3.11+
+    changes.swap_code(func, placed)
+
+
+def scoped_value(
+    changes: Changes,
+    func: types.FunctionType,
+    template: Callable[..., Any],
+    tls: threading.local,
+    value: Any,
+) -> None:
+    """Make ``func`` set ``tls.value = value`` for the duration of each call (restoring it afterwards)
+    (:func:`route_through`, helper ``_ttc_scoped_<name>``). Whatever ``func``'s own code does to the module
+    global meanwhile is invisible: every reader of that global reads the thread-local."""
+
+    def around(original: Callable[..., Any]) -> Callable[..., Any]:
+        def scoped(*args: Any, **kwargs: Any) -> Any:
+            old = tls.value
+            tls.value = value
+            try:
+                return original(*args, **kwargs)
+            finally:
+                tls.value = old
+
+        return scoped
+
+    route_through(changes, func, template, f"_ttc_scoped_{func.__code__.co_name}", around)
+
+
 def run_in_thread(fn: Callable[[], Any], timeout: float = 10.0) -> Any:
     """Run ``fn`` in a fresh thread and return its result (used by patches' verify steps)."""
     box: list[Any] = []
@@ -336,7 +488,7 @@ def run_in_thread(fn: Callable[[], Any], timeout: float = 10.0) -> Any:
     def target() -> None:
         try:
             box.append((True, fn()))
-        except BaseException as e:  # noqa: BLE001 - reported to the caller
+        except BaseException as e:
             box.append((False, e))
 
     t = threading.Thread(target=target, name="ttc-verify", daemon=True)

@@ -9,13 +9,14 @@ fast instead of hanging). It never kills or unblocks anything: it only makes a s
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import sys
 import threading
 import time
-from typing import Callable
+from typing import Any, Callable, Iterator
 
-__all__ = ["InstrumentedRLock", "start", "stop", "running", "hangs"]
+__all__ = ["InstrumentedRLock", "watch", "unwatch", "start", "stop", "running", "hangs"]
 
 HINT = (
     "likely H4: a thread holds dynamo's compile_lock while it needs the autograd engine, and the engine's "
@@ -28,13 +29,27 @@ class InstrumentedRLock:
 
     It wraps rather than replaces, so code that captured the original lock still excludes correctly.
     The uncontended path is one non-blocking acquire.
+
+    Short holders (an FX trace, an export's global overrides) take it with :meth:`priority`: while one waits,
+    threads that do not hold the lock yet (compiles) let it go first, so a stream of compiles cannot starve
+    it. A compile never waits for more than the holder in front of it plus the short holders.
     """
 
-    def __init__(self, inner: "threading.RLock") -> None:
+    def __init__(self, inner: Any) -> None:
         self._inner = inner
         self.waiting: dict[int, float] = {}  # thread ident -> monotonic time it started waiting
+        self._priority_waiting = 0
+        self._priority_done = threading.Condition(threading.Lock())
+
+    @property
+    def inner(self) -> Any:
+        """The ``threading.RLock`` this wraps (the object code that captured it still uses)."""
+        return self._inner
 
     def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        if self._priority_waiting and blocking and not self._inner._is_owned():
+            with self._priority_done:  # a short holder is queued: let it go first (bounded by its turn)
+                self._priority_done.wait_for(lambda: not self._priority_waiting, 5.0)
         if self._inner.acquire(False):
             return True
         if not blocking:
@@ -42,9 +57,34 @@ class InstrumentedRLock:
         me = threading.get_ident()
         self.waiting[me] = time.monotonic()
         try:
-            return self._inner.acquire(True, timeout)
+            return bool(self._inner.acquire(True, timeout))
         finally:
             self.waiting.pop(me, None)
+
+    @contextlib.contextmanager
+    def priority(self) -> Iterator[None]:
+        """Hold the lock, ahead of threads that are not holding it yet (see the class docstring)."""
+        if self._inner._is_owned():
+            with self:
+                yield
+            return
+        with self._priority_done:
+            self._priority_waiting += 1
+        try:
+            me = threading.get_ident()
+            self.waiting[me] = time.monotonic()
+            try:
+                self._inner.acquire()
+            finally:
+                self.waiting.pop(me, None)
+        finally:
+            with self._priority_done:
+                self._priority_waiting -= 1
+                self._priority_done.notify_all()
+        try:
+            yield
+        finally:
+            self._inner.release()
 
     def release(self) -> None:
         self._inner.release()
@@ -56,7 +96,7 @@ class InstrumentedRLock:
         self._inner.release()
 
     def _is_owned(self) -> bool:  # used by threading.Condition
-        return self._inner._is_owned()  # type: ignore[attr-defined]
+        return bool(self._inner._is_owned())
 
     def __repr__(self) -> str:
         return f"<InstrumentedRLock {self._inner!r} waiting={len(self.waiting)}>"
@@ -69,8 +109,13 @@ _callbacks: list[Callable[[str], None]] = []
 hangs: list[str] = []  # messages of the episodes detected in this process
 
 
-def _register_lock(lock: InstrumentedRLock) -> None:
+def watch(lock: InstrumentedRLock) -> None:
+    """The lock whose waiters the watchdog looks at (dynamo's compile_lock, once instrumented)."""
     _lock_ref[:] = [lock]
+
+
+def unwatch() -> None:
+    _lock_ref.clear()
 
 
 def running() -> bool:

@@ -13,12 +13,12 @@ the wrapper.
 
 from __future__ import annotations
 
-import sys
 import threading
 from typing import Any
 
-from torch_threadsafe_compile import watchdog
+from torch_threadsafe_compile import _env, watchdog
 from torch_threadsafe_compile._patching import Changes
+from torch_threadsafe_compile._torch import loaded
 from torch_threadsafe_compile.registry import PatchSpec
 
 SPEC = PatchSpec(
@@ -28,14 +28,13 @@ SPEC = PatchSpec(
     upstream="compile_fx_backward takes compile_lock (torch 2.6+); see lazy_backward",
     torch_versions=">=2.4",
     modules=("torch._dynamo.convert_frame",),
-    tested="2.4.1 … 2.15.0",
 )
 
 _RLOCK_TYPE = type(threading.RLock())
 
 
 def _cf() -> Any:
-    return sys.modules["torch._dynamo.convert_frame"]
+    return loaded(SPEC.modules[0])
 
 
 def check() -> str | None:
@@ -51,15 +50,13 @@ def apply(changes: Changes) -> dict[str, Any]:
     cf = _cf()
     inner = cf.compile_lock
     if isinstance(inner, watchdog.InstrumentedRLock):
-        inner = inner._inner
+        inner = inner.inner
     lock = watchdog.InstrumentedRLock(inner)
     changes.setattr(cf, "compile_lock", lock)
-    watchdog._register_lock(lock)
-    changes.on_revert(lambda: watchdog._lock_ref.clear())
+    watchdog.watch(lock)
+    changes.on_revert(watchdog.unwatch)
 
-    from torch_threadsafe_compile._env import read_settings
-
-    seconds = read_settings().watchdog_s
+    seconds = _env.current().watchdog_s
     if seconds:
         watchdog.start(seconds)
     return {}

@@ -15,10 +15,10 @@ autograd engine threads are not inside a compile session upstream either, so not
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 from torch_threadsafe_compile._patching import Changes, run_in_thread, thread_local_global
+from torch_threadsafe_compile._torch import loaded
 from torch_threadsafe_compile.registry import PatchSpec
 
 SPEC = PatchSpec(
@@ -28,14 +28,13 @@ SPEC = PatchSpec(
     upstream="pytorch/pytorch#184614 (held for the whole compile session, fixes #184547); flag is process-global",
     torch_versions=">=2.13",
     modules=("torch.compiler",),
-    tested="2.13.0, 2.14.1, 2.15.0",
 )
 
 FLAG = "_is_compiling_flag"
 
 
 def _module() -> Any:
-    return sys.modules["torch.compiler"]
+    return loaded(SPEC.modules[0])
 
 
 def _functions(mod: Any) -> list[Any]:

@@ -18,11 +18,11 @@ the dynamic flags shape what dynamo traces, which the graph itself records).
 
 from __future__ import annotations
 
-import sys
 import threading
 from typing import Any, Callable
 
 from torch_threadsafe_compile._patching import Changes, run_in_thread
+from torch_threadsafe_compile._torch import CONFIG_MODULE, loaded
 from torch_threadsafe_compile.registry import PatchSpec
 
 SPEC = PatchSpec(
@@ -31,9 +31,8 @@ SPEC = PatchSpec(
     summary="torch.compile(dynamic=...) shape flags apply to the calling thread only",
     upstream="pytorch/pytorch#118260 (config patching via the dynamic kwarg is not thread safe); per-thread from 2.12",
     torch_versions=">=2.4,<2.12",
-    modules=("torch.utils._config_module", "torch._dynamo"),  # verify reads dynamo's config
+    modules=(CONFIG_MODULE, "torch._dynamo"),  # verify reads dynamo's config
     fixed_in="2.12",
-    tested="2.4.1, 2.11.0",
 )
 
 _MISSING = object()
@@ -41,7 +40,7 @@ _overlays = threading.local()  # .by_module: {id(config module): {name: value}}
 
 
 def _module() -> Any:
-    return sys.modules["torch.utils._config_module"]
+    return loaded(CONFIG_MODULE)
 
 
 def check() -> str | None:
@@ -84,7 +83,7 @@ def apply(changes: Changes) -> dict[str, Any]:
 
         return change
 
-    def __getattr__(self: Any, name: str) -> Any:  # noqa: N807 - the dunder being wrapped
+    def __getattr__(self: Any, name: str) -> Any:
         by_module = getattr(_overlays, "by_module", None)
         if by_module:
             overlay = by_module.get(id(self))
@@ -101,7 +100,7 @@ def apply(changes: Changes) -> dict[str, Any]:
 
 def verify() -> None:
     """A patcher's value is seen in its thread only, and revert restores what the thread saw before."""
-    config = sys.modules["torch._dynamo.config"]
+    config = loaded("torch._dynamo.config")
 
     before = config.assume_static_by_default
     revert = config._make_closure_patcher(assume_static_by_default=not before)()

@@ -13,10 +13,10 @@ dynamo) go through a property of the module's class.
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 from torch_threadsafe_compile._patching import Changes, run_in_thread, thread_local_global
+from torch_threadsafe_compile._torch import loaded
 from torch_threadsafe_compile.registry import PatchSpec
 
 SPEC = PatchSpec(
@@ -24,17 +24,16 @@ SPEC = PatchSpec(
     hazard="H7",
     summary="torch.compiler.is_exporting() is True only in the thread that exports",
     upstream="pytorch/pytorch#105943 (PT2 is not thread safe); _is_exporting_flag is process-global",
-    torch_versions=">=2.9",
+    torch_versions=">=2.7",  # the flag exists from 2.7 (docs/compat.md: it leaks on 2.7 and 2.8 too)
     modules=("torch.compiler",),
     after=("compile_session_flag",),
-    tested="2.11.0, 2.13.0",
 )
 
 FLAG = "_is_exporting_flag"
 
 
 def _module() -> Any:
-    return sys.modules["torch.compiler"]
+    return loaded(SPEC.modules[0])
 
 
 def check() -> str | None:

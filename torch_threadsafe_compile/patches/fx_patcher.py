@@ -11,26 +11,32 @@ After this patch:
 
 * ``CURRENT_PATCHER`` is per-thread (same mechanism as H1: the functions that use it keep their objects,
   their code reads a thread-local; ``module.CURRENT_PATCHER`` goes through a property);
-* each patched slot holds one *dispatcher* that calls the replacement of the thread that is tracing and
-  the original function in every other thread. Several threads may trace at once, each with its own
-  replacement. When the last tracing thread is done, the original object is put back, so nothing stays in
-  the hot path of ``Module.__call__`` outside traces;
-* a patching trace holds dynamo's ``compile_lock`` (when dynamo is loaded), so dynamo never traces
-  ``Module.__call__`` while its slot is being swapped by another thread's FX trace (that made dynamo's
-  restarts see different bytecode: ``SpeculationLogDivergence``). Inside a compile the lock is already
-  held (it is re-entrant), and an FX trace runs on proxies, never on the autograd engine, so this adds
-  no lock-order inversion.
+* each patched slot holds one *dispatcher* that gives the replacement of the thread that is tracing and
+  the original in every other thread. Several threads may trace at once, each with its own replacement.
+  When the last tracing thread is done, the original object is put back, so nothing stays in the hot path
+  of ``Module.__call__`` outside traces;
+* a patching trace holds dynamo's ``compile_lock`` (when dynamo is loaded), so dynamo never compiles
+  while a slot holds a dispatcher: it would trace through it (a graph break at every module call) and its
+  restarts would see ``Module.__call__`` change (``SpeculationLogDivergence``). A dispatcher that dynamo
+  could see through was tried: dynamo reads class attributes raw while it traces, and compiles beside
+  traces then broke apart (measured in the soak). The trace takes the lock ahead of compiles that do not
+  hold it yet (``watchdog.InstrumentedRLock.priority``), so a stream of compiles delays a trace by at most
+  the compile in progress. Inside a compile the lock is already held (it is re-entrant), and an FX trace
+  runs on proxies, never on the autograd engine, so this adds no lock-order inversion.
+
+Inside one thread everything is upstream's, including how patches are de-duplicated (upstream sets the
+name-mangled ``_Patcher__fx_already_patched`` and reads the unmangled ``__fx_already_patched``).
 """
 
 from __future__ import annotations
 
 import builtins
 import contextlib
-import sys
 import threading
 from typing import Any, Callable, Iterator
 
 from torch_threadsafe_compile._patching import Changes, TargetMismatch, run_in_thread, thread_local_global
+from torch_threadsafe_compile._torch import call_plumbing, compile_lock_first, loaded, skip_code
 from torch_threadsafe_compile.registry import PatchSpec
 
 SPEC = PatchSpec(
@@ -41,10 +47,14 @@ SPEC = PatchSpec(
     torch_versions=">=2.4",
     modules=("torch.fx._symbolic_trace",),
     after=("fx_tracing_flag",),
-    tested="2.11.0, 2.13.0",
 )
 
 _MISSING = object()
+# Upstream's ``_Patcher.patch`` writes ``new_fn.__fx_already_patched`` inside ``class _Patcher``, where Python
+# mangles the name, and reads it back with ``getattr(..., "__fx_already_patched")``, a string it does not
+# mangle. Bug for bug: the copies below write and read exactly those two names.
+ALREADY_PATCHED_SET = "_Patcher__fx_already_patched"
+ALREADY_PATCHED_GET = "__fx_already_patched"
 _slots_lock = threading.Lock()
 
 
@@ -77,7 +87,6 @@ class _Dispatcher:
 # The dispatcher's code object: dynamo is told to skip it, and first_compile (H3) counts it as call
 # plumbing between a compiled module's ``compile_wrapper`` and its ``forward``.
 DISPATCH_CODE = next(c for c in _Dispatcher._make.__code__.co_consts if getattr(c, "co_name", None) == "fx_patch_dispatch")
-
 
 def _get(container: Any, name: str, is_dict: bool) -> Any:
     if is_dict:
@@ -113,14 +122,8 @@ def _hide_from_dynamo() -> None:
     its own (an extra graph each time). It is plumbing: skip it, as upstream skips its own files.
     """
     global _hidden
-    if _hidden or "torch._dynamo.eval_frame" not in sys.modules:
-        return
-    ef = sys.modules["torch._dynamo.eval_frame"]
-    skip = getattr(ef, "skip_code", None) or getattr(getattr(ef, "torch", None) and ef.torch._C._dynamo.eval_frame, "skip_code", None)
-    if skip is None:
-        return
-    skip(DISPATCH_CODE)
-    _hidden = True
+    if not _hidden:
+        _hidden = skip_code(DISPATCH_CODE)
 
 
 def _make_entry(base: type) -> type:
@@ -130,43 +133,56 @@ def _make_entry(base: type) -> type:
         def patch(self) -> None:
             container, name, _, new_fn = self
             is_dict = isinstance(container, dict)
+            me = threading.get_ident()
             with _slots_lock:
                 current = _get(container, name, is_dict)
                 disp = getattr(current, "_ttc_dispatcher", None)
                 if disp is None:
                     _hide_from_dynamo()
                     had = current is not _MISSING
-                    orig = current if had else getattr(builtins, name)
-                    disp = _Dispatcher(orig, had)
+                    disp = _Dispatcher(current if had else getattr(builtins, name), had)
                     _put(container, name, disp.fn, is_dict)
-                disp.owners.setdefault(threading.get_ident(), []).append(new_fn)
+                disp.owners.setdefault(me, []).append(new_fn)
 
         def revert(self) -> None:
             container, name, _, new_fn = self
             is_dict = isinstance(container, dict)
+            me = threading.get_ident()
             with _slots_lock:
                 disp = getattr(_get(container, name, is_dict), "_ttc_dispatcher", None)
                 if disp is None:
                     return
-                stack = disp.owners.get(threading.get_ident(), [])
-                if new_fn in stack:
-                    stack.reverse()
-                    stack.remove(new_fn)
-                    stack.reverse()
-                if not stack:
-                    disp.owners.pop(threading.get_ident(), None)
+                _drop(disp, me, new_fn)
                 if not disp.owners:  # nobody traces through this slot any more: the original goes back
-                    if disp.had_slot:
-                        _put(container, name, disp.orig, is_dict)
-                    else:
-                        _remove(container, name, is_dict)
+                    _restore(container, name, disp, is_dict)
 
     _ThreadPatchedFn.__name__ = f"_ThreadPatchedFn[{base.__name__}]"
     return _ThreadPatchedFn
 
 
+def _restore(container: Any, name: str, disp: _Dispatcher, is_dict: bool) -> None:
+    """Nobody traces through this slot any more: the original goes back (if the slot is still ours)."""
+    if getattr(_get(container, name, is_dict), "_ttc_dispatcher", None) is not disp:
+        return
+    if disp.had_slot:
+        _put(container, name, disp.orig, is_dict)
+    else:
+        _remove(container, name, is_dict)
+
+
+def _drop(disp: Any, me: int, new_fn: Callable[..., Any]) -> None:
+    """Remove this thread's latest registration of ``new_fn`` (patches are undone in reverse order)."""
+    stack = disp.owners.get(me, [])
+    for i in range(len(stack) - 1, -1, -1):
+        if stack[i] is new_fn:
+            del stack[i]
+            break
+    if not stack:
+        disp.owners.pop(me, None)
+
+
 def _module() -> Any:
-    return sys.modules["torch.fx._symbolic_trace"]
+    return loaded(SPEC.modules[0])
 
 
 def check() -> str | None:
@@ -189,25 +205,24 @@ def apply(changes: Changes) -> dict[str, Any]:
     if mod.__dict__["CURRENT_PATCHER"] is not None:
         raise TargetMismatch("a symbolic trace is in progress; install() again when idle")
     thread_local_global(changes, mod, "CURRENT_PATCHER", users)
+    call_plumbing.append(DISPATCH_CODE)
+    changes.on_revert(lambda: call_plumbing.remove(DISPATCH_CODE))
 
     original_new_patcher = mod.__dict__["_new_patcher"]
 
     @contextlib.contextmanager
     def _new_patcher() -> Iterator[Any]:
-        cf = sys.modules.get("torch._dynamo.convert_frame")
-        lock = getattr(cf, "compile_lock", None) if cf is not None else None
-        with lock if lock is not None else contextlib.nullcontext():
+        with compile_lock_first():  # see the module docstring: no compile sees a patched slot
             with original_new_patcher() as patcher:
                 yield patcher
 
     _new_patcher.__wrapped__ = original_new_patcher  # type: ignore[attr-defined]
     changes.setattr(mod, "_new_patcher", _new_patcher)
-
     entry = _make_entry(mod._PatchedFn)
 
     def patch(self: Any, frame_dict: dict[str, Any], name: str, new_fn: Callable[..., Any], deduplicate: bool = True) -> None:
         """Replace ``frame_dict[name]`` by ``new_fn`` for this thread until the patcher exits."""
-        new_fn.__fx_already_patched = deduplicate  # type: ignore[attr-defined]
+        setattr(new_fn, ALREADY_PATCHED_SET, deduplicate)
         current = frame_dict.get(name, _MISSING)
         if current is _MISSING and not hasattr(builtins, name):
             raise KeyError(name)
@@ -218,7 +233,7 @@ def apply(changes: Changes) -> dict[str, Any]:
 
     def patch_method(self: Any, cls: type, name: str, new_fn: Callable[..., Any], deduplicate: bool = True) -> None:
         """Replace ``cls.name`` by ``new_fn`` for this thread until the patcher exits."""
-        new_fn.__fx_already_patched = deduplicate  # type: ignore[attr-defined]
+        setattr(new_fn, ALREADY_PATCHED_SET, deduplicate)
         if _already_patched_here(getattr(cls, name)):
             return
         self.patches_made.append(entry(cls, name, None, new_fn))
@@ -233,9 +248,9 @@ def _already_patched_here(current: Any) -> bool:
     """Upstream's de-duplication (``__fx_already_patched``), seen from the calling thread."""
     disp = getattr(current, "_ttc_dispatcher", None)
     if disp is None:
-        return bool(getattr(current, "__fx_already_patched", False))
+        return bool(getattr(current, ALREADY_PATCHED_GET, False))
     stack = disp.owners.get(threading.get_ident())
-    return bool(stack) and bool(getattr(stack[-1], "__fx_already_patched", False))
+    return bool(stack) and bool(getattr(stack[-1], ALREADY_PATCHED_GET, False))
 
 
 def verify() -> None:

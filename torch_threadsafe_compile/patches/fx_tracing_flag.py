@@ -15,9 +15,11 @@ How:
   functions, and ``torch.export.unflatten`` imports one by name: all keep working and all see the fix;
 * ``module._is_fx_tracing_flag`` reads/writes from other modules (``_set_compilation_env`` of eager
   higher-order ops, H5) go to the calling thread's value through a property on the module's class;
-* ``Tracer.trace`` (and so ``symbolic_trace``, ``make_fx``, export) sets the calling thread's flag: its code
-  is rewritten the same way (its ``global`` statement dropped), so the function object that dynamo wraps
-  with ``disable`` on import stays the one that runs.
+* ``Tracer.trace`` (and so ``symbolic_trace``, ``make_fx``, export) sets the calling thread's flag for the
+  duration of the call: it keeps its function object (dynamo wraps that very object with ``disable`` on
+  import) and gets the code of a same-signature trampoline that sets the flag and calls a copy of the
+  original (``_patching.scoped_value``; it is too large to recompile cheaply at every ``import torch``).
+  What its original code writes to the module global meanwhile is read by nobody.
 
 The legitimate same-thread error — ``fx.symbolic_trace`` of a module that calls a compiled function — stays.
 Upstream: pytorch/pytorch#118260 (dynamo is not thread safe); torch 2.14 made the flag thread-local.
@@ -25,10 +27,10 @@ Upstream: pytorch/pytorch#118260 (dynamo is not thread safe); torch 2.14 made th
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
-from torch_threadsafe_compile._patching import Changes, TargetMismatch, run_in_thread, thread_local_global
+from torch_threadsafe_compile._patching import Changes, TargetMismatch, run_in_thread, scoped_value, thread_local_global
+from torch_threadsafe_compile._torch import loaded
 from torch_threadsafe_compile.registry import PatchSpec
 
 SPEC = PatchSpec(
@@ -39,16 +41,19 @@ SPEC = PatchSpec(
     torch_versions=">=2.4,<2.14",
     fixed_in="2.14",
     modules=("torch.fx._symbolic_trace",),
-    tested="2.4.1, 2.6.0, 2.9.1, 2.11.0, 2.12.1, 2.13.0",
 )
 
 FLAG = "_is_fx_tracing_flag"
 READERS = ("is_fx_tracing", "is_fx_symbolic_tracing")
 
 
-
 def _module() -> Any:
-    return sys.modules["torch.fx._symbolic_trace"]
+    return loaded(SPEC.modules[0])
+
+
+def _trace_trampoline(self, root, concrete_args=None):  # type: ignore[no-untyped-def]
+    """The code ``Tracer.trace`` runs (same signature): the scoped flag, then upstream's body."""
+    return _ttc_scoped_trace(self, root, concrete_args)  # type: ignore[name-defined]
 
 
 def _unwrap(fn: Any) -> Any:
@@ -75,10 +80,8 @@ def apply(changes: Changes) -> dict[str, Any]:
         # Activation normally happens before anything traces; if a trace is running right now, the global
         # is True and would become every new thread's default.
         raise TargetMismatch(f"{FLAG} is set (a trace is in progress); install() again when idle")
-    # Tracer.trace writes the flag with a `global` statement; its code is rewritten like the readers', so the
-    # function object stays the one that dynamo later wraps with `disable` (import torch._dynamo does that).
-    trace = _unwrap(mod.Tracer.__dict__["trace"])
-    thread_local_global(changes, mod, FLAG, readers + [trace])
+    tls = thread_local_global(changes, mod, FLAG, readers)
+    scoped_value(changes, _unwrap(mod.Tracer.__dict__["trace"]), _trace_trampoline, tls, True)
     return {"readers": [f.__name__ for f in readers]}
 
 

@@ -1,0 +1,229 @@
+"""When each patch runs, and the state of every patch in this process.
+
+Lifecycle of a patch::
+
+    pending --(torch imported)--> skipped   (disabled, version outside its range, fixed upstream)
+    pending --(its torch modules imported, the patches it follows settled)--> check
+        check --problem--> skipped (target changed: the reason, never a guess)
+        check --ok--> apply --> verify --ok--> applied
+                                      \\--raised--> failed (everything it did is reverted; one warning line)
+    applied --uninstall()--> reverted --install()--> pending
+
+Nothing here raises into the user's ``import``: a failure is one warning line and torch runs without the patch.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import sys
+import threading
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Mapping, cast
+
+from torch_threadsafe_compile import _env, _state, _versions
+from torch_threadsafe_compile._patching import Changes, TargetMismatch
+from torch_threadsafe_compile.registry import PATCH_MODULES, Patch, PatchSpec
+
+log = logging.getLogger("torch_threadsafe_compile")
+
+__all__ = ["State", "Skip", "PatchState", "states", "on_module_imported", "apply_ready", "reset_for_install",
+           "revert_all", "warn"]
+
+
+class State(str, Enum):
+    PENDING = "pending"  # waits for its torch modules (or for torch itself)
+    APPLIED = "applied"
+    SKIPPED = "skipped"  # see Skip
+    FAILED = "failed"  # apply or verify raised; reverted
+    REVERTED = "reverted"  # uninstall()
+    DISABLED = "disabled"  # TTC_DISABLE=1 (reported by status(); never stored)
+
+
+class Skip(str, Enum):
+    """Why a patch was skipped. Only a changed target is worth another try at the next ``install()``."""
+
+    DISABLED = "disabled"
+    UNKNOWN_VERSION = "unknown version"
+    FIXED_UPSTREAM = "fixed upstream"
+    OUT_OF_RANGE = "out of range"
+    TARGET_CHANGED = "target changed"
+
+
+@dataclass
+class PatchState:
+    spec: PatchSpec
+    impl: Patch
+    state: State = State.PENDING
+    skip: Skip | None = None
+    reason: str = ""
+    changes: Changes | None = None
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def settle(self, state: State, reason: str = "", skip: Skip | None = None) -> None:
+        self.state, self.reason, self.skip = state, reason, skip
+
+
+_lock = threading.RLock()
+_states: dict[str, PatchState] | None = None
+_finished: set[str] = set()  # watched modules whose body finished executing
+
+
+def warn(msg: str) -> None:
+    """One line on stderr for the first problem of the process (never more); every problem in the log."""
+    log.info(msg)
+    _state.warn_once(msg + " (details: TTC_LOG=info, or python -m torch_threadsafe_compile doctor)")
+
+
+def _configure_logging(level: str | None) -> None:
+    """TTC_LOG=debug|info|warning|error: give our logger that level and a handler of its own."""
+    if not level or getattr(log, "_ttc_configured", False):
+        return
+    log.setLevel(level.upper())
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("torch-threadsafe-compile %(levelname)s: %(message)s"))
+    log.addHandler(handler)
+    log.propagate = False
+    log._ttc_configured = True  # type: ignore[attr-defined]
+
+
+def states() -> dict[str, PatchState]:
+    """Every patch, in order (imports the patch modules on first use: only ever after torch was imported)."""
+    global _states
+    with _lock:
+        if _states is None:
+            settings = _env.current()
+            _configure_logging(settings.log_level)
+            unknown = sorted(settings.disabled_patches - set(PATCH_MODULES))
+            if unknown:
+                warn(f"TTC_DISABLE names unknown patches {unknown}; known: {sorted(PATCH_MODULES)}")
+            loaded = {}
+            for name in PATCH_MODULES:
+                impl = cast(Patch, importlib.import_module(f"torch_threadsafe_compile.patches.{name}"))
+                loaded[impl.SPEC.id] = PatchState(spec=impl.SPEC, impl=impl)
+            _states = loaded
+        return _states
+
+
+def _module_ready(name: str) -> bool:
+    """``name`` and every package above it finished executing (not just present in ``sys.modules``).
+
+    Inside ``import torch._dynamo`` its submodules appear one by one while the package is still
+    initializing; patching a half-built package would see half-built targets.
+    """
+    parts = name.split(".")
+    for i in range(1, len(parts) + 1):
+        prefix = ".".join(parts[:i])
+        mod = sys.modules.get(prefix)
+        if mod is None:
+            return False
+        # importlib clears _initializing only after our post-exec hook returned: trust the hook.
+        if prefix not in _finished and getattr(getattr(mod, "__spec__", None), "_initializing", False):
+            return False
+    return True
+
+
+def _static_skip(spec: PatchSpec, settings: _env.Settings) -> tuple[Skip, str] | None:
+    """Why ``spec`` can never apply in this process (decidable as soon as torch is imported), or None."""
+    if spec.id in settings.disabled_patches:
+        return Skip.DISABLED, f"disabled by TTC_DISABLE={','.join(sorted(settings.disabled_patches))}"
+    v = _versions.torch_version()
+    if v is None:
+        return Skip.UNKNOWN_VERSION, _versions.version_error() or "unknown torch version"
+    if spec.fixed_in is not None and _versions.version_in(v, f">={spec.fixed_in}"):
+        return Skip.FIXED_UPSTREAM, f"fixed upstream in torch {spec.fixed_in}"
+    if not _versions.version_in(v, spec.torch_versions):
+        return Skip.OUT_OF_RANGE, f"torch {_versions.format_version(v)} is outside {spec.torch_versions} (hazard absent there)"
+    return None
+
+
+def _undo(changes: Changes) -> None:
+    try:
+        changes.revert()
+    except Exception as e:  # reported, never raised at import time
+        warn(f"revert incomplete: {e}")
+
+
+def _try_apply(ps: PatchState) -> None:
+    changes = Changes(ps.spec.id)
+    try:
+        problem = ps.impl.check()
+        if problem:
+            ps.settle(State.SKIPPED, f"target changed: {problem}", Skip.TARGET_CHANGED)
+            log.info("%s skipped: %s", ps.spec.id, ps.reason)
+            return
+        ps.extra = ps.impl.apply(changes) or {}
+        ps.changes = changes
+        ps.impl.verify()
+    except TargetMismatch as e:
+        _undo(changes)
+        ps.changes = None
+        ps.settle(State.SKIPPED, f"target changed: {e}", Skip.TARGET_CHANGED)
+        log.info("%s skipped: %s", ps.spec.id, ps.reason)
+        return
+    except Exception as e:
+        _undo(changes)
+        ps.changes = None
+        ps.settle(State.FAILED, f"{type(e).__name__}: {e}")
+        warn(f"patch {ps.spec.id} ({ps.spec.hazard}) failed and was reverted: {ps.reason}; torch runs without it")
+        return
+    ps.settle(State.APPLIED)
+    log.debug("%s applied", ps.spec.id)
+
+
+def _ready(ps: PatchState, table: dict[str, PatchState]) -> bool:
+    if not all(_module_ready(m) for m in ps.spec.modules):
+        return False
+    return all(table[dep].state is not State.PENDING for dep in ps.spec.after)
+
+
+def apply_ready() -> None:
+    """Settle every pending patch that can be settled now. Called after each watched import."""
+    if not _module_ready("torch"):
+        return
+    settings = _env.current()
+    if settings.disabled:
+        return
+    with _lock:
+        table = states()
+        for ps in table.values():
+            if ps.state is State.PENDING:
+                skip = _static_skip(ps.spec, settings)
+                if skip is not None:
+                    ps.settle(State.SKIPPED, skip[1], skip[0])
+                    log.debug("%s skipped: %s", ps.spec.id, ps.reason)
+        # Loop: applying one patch can make a later one ready (``after``).
+        progress = True
+        while progress:
+            progress = False
+            for ps in table.values():
+                if ps.state is State.PENDING and _ready(ps, table):
+                    _try_apply(ps)
+                    progress = True
+
+
+def on_module_imported(name: str) -> None:
+    """Called by the bootstrap when a watched torch module finished importing."""
+    _finished.add(name)
+    apply_ready()
+
+
+def reset_for_install() -> None:
+    """``install()`` after ``uninstall()`` (or after a target was busy): those patches are pending again."""
+    with _lock:
+        for ps in states().values():
+            if ps.state is State.REVERTED or ps.skip is Skip.TARGET_CHANGED:
+                ps.settle(State.PENDING)
+
+
+def revert_all() -> None:
+    """Revert every applied patch, in reverse order, restoring the original objects."""
+    with _lock:
+        for ps in reversed(list(states().values())):
+            if ps.state is State.APPLIED and ps.changes is not None:
+                _undo(ps.changes)
+                ps.changes = None
+                ps.settle(State.REVERTED, "uninstall()")
+            elif ps.state is State.PENDING:
+                ps.settle(State.REVERTED, "uninstall()")

@@ -1,0 +1,122 @@
+"""What several patches need to know about torch's internals, in one place (patches import this, never
+each other). Nothing here imports torch at module level: every accessor reads ``sys.modules`` at call
+time, so it only ever sees what the program itself has imported.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from contextvars import ContextVar
+from typing import Any, Callable, ContextManager
+
+__all__ = [
+    "loaded", "compile_lock", "holds_compile_lock", "compile_lock_or_null", "skip_code", "cache_entry_lister",
+    "CONFIG_MODULE", "config_unset", "config_entries", "reset_config_caches",
+]
+
+CONFIG_MODULE = "torch.utils._config_module"
+CONVERT_FRAME = "torch._dynamo.convert_frame"
+EVAL_FRAME = "torch._dynamo.eval_frame"
+
+
+def loaded(name: str) -> types.ModuleType:
+    """An imported torch module (a patch only runs once its modules are imported: ``KeyError`` otherwise)."""
+    return sys.modules[name]
+
+
+# -- dynamo's compile lock ------------------------------------------------------------------------------
+
+
+def compile_lock() -> Any:
+    """dynamo's ``compile_lock`` as it is now (read at call time: ``compile_lock_watchdog`` wraps it), or
+    None while ``torch._dynamo`` is not imported."""
+    cf = sys.modules.get(CONVERT_FRAME)
+    return getattr(cf, "compile_lock", None) if cf is not None else None
+
+
+def compile_lock_or_null() -> ContextManager[Any]:
+    import contextlib
+
+    lock = compile_lock()
+    return lock if lock is not None else contextlib.nullcontext()
+
+
+def compile_lock_first() -> ContextManager[Any]:
+    """dynamo's ``compile_lock`` for a short holder (an FX trace, an export's overrides): ahead of compiles
+    that do not hold it yet, when ``compile_lock_watchdog`` has instrumented it (see ``watchdog``)."""
+    lock = compile_lock()
+    priority = getattr(lock, "priority", None)
+    return priority() if priority is not None else compile_lock_or_null()
+
+
+def holds_compile_lock() -> bool:
+    """Whether the calling thread holds dynamo's ``compile_lock`` (a compile, an export, an FX trace)."""
+    is_owned = getattr(compile_lock(), "_is_owned", None)
+    return bool(is_owned()) if callable(is_owned) else False
+
+
+def skip_code(code: types.CodeType) -> bool:
+    """Tell dynamo never to compile frames of ``code`` (as it skips its own files). False if unavailable."""
+    ef = sys.modules.get(EVAL_FRAME)
+    skip = getattr(ef, "skip_code", None) if ef is not None else None
+    if skip is None:
+        return False
+    skip(code)
+    return True
+
+
+def cache_entry_lister() -> Callable[[types.CodeType], list[Any]] | None:
+    """The C function listing a code object's dynamo cache entries. Reached as an attribute: on torch 2.4
+    ``torch._C._dynamo.eval_frame`` is not registered in ``sys.modules``."""
+    torch = sys.modules.get("torch")
+    ef = getattr(getattr(getattr(torch, "_C", None), "_dynamo", None), "eval_frame", None)
+    fn = getattr(ef, "_debug_get_cache_entry_list", None)
+    return fn if callable(fn) else None
+
+
+# -- config modules (torch.utils._config_module) ----------------------------------------------------------
+
+# Per-module cache ContextVars (torch >= 2.12) and their defaults, as set by install_config_module.
+CONFIG_CACHE_VARS = {
+    "_hash_dirty_var": True,
+    "_hash_cache_var": None,
+    "_get_dict_dirty_keys_var": None,
+    "_get_dict_cache_var": None,
+}
+
+
+def config_unset() -> Any:
+    """``_UNSET_SENTINEL``: the value of an override that is not set."""
+    return loaded(CONFIG_MODULE)._UNSET_SENTINEL
+
+
+def config_entries(module: Any) -> dict[str, Any]:
+    """``{name: _ConfigEntry}`` of a config module."""
+    entries: dict[str, Any] = module.__dict__["_config"]
+    return entries
+
+
+def uses_context_vars() -> bool:
+    """torch >= 2.12: each entry's user override is a ``ContextVar`` (per thread and context)."""
+    entry_cls = getattr(loaded(CONFIG_MODULE), "_ConfigEntry", None)
+    annotation = getattr(entry_cls, "__annotations__", {}).get("user_override")
+    return annotation is ContextVar or "ContextVar" in str(annotation)
+
+
+def reset_config_caches(module: Any) -> None:
+    """Invalidate a config module's hash and ``_get_dict`` caches in every thread and context."""
+    for attr, default in CONFIG_CACHE_VARS.items():
+        old = module.__dict__.get(attr)
+        if isinstance(old, ContextVar):  # one cache per context: a fresh variable resets them all
+            module.__dict__[attr] = ContextVar(old.name, default=default)
+    if "_is_dirty" in module.__dict__:  # <= 2.11: one process-wide cache
+        module.__dict__["_is_dirty"] = True
+
+
+# -- call plumbing ----------------------------------------------------------------------------------------
+
+# Code objects of our own that may stand between a compiled module's ``compile_wrapper`` and its
+# ``forward`` without running anything of the program's (fx_patcher's dispatcher while another thread's FX
+# trace has ``Module.__call__`` patched). Patches register them here; first_compile treats them as plumbing.
+call_plumbing: list[types.CodeType] = []  # compared by identity (code equality hashes constants)

@@ -1,0 +1,161 @@
+"""The frame callback: what happens on a cache miss (dynamo calls it only then, never on a warm call).
+
+For the first frame of a gated call, the callback checks whether the cache holds what the frame needs,
+first without ``compile_lock`` (a spurious miss) and then holding it (another thread compiled it while
+this one waited); if so it raises :class:`Retry` instead of compiling, and the gate calls again so that
+dynamo's C lookup hits. Otherwise the frame compiles as upstream, as part of the gated call's flight.
+Frames that are not the first frame of a gated call (functions called from compiled code that dynamo
+compiles on their own) compile as upstream, as part of the flight of the enclosing ``torch.compile`` call.
+
+``compile_lock`` is dynamo's own RLock, taken a few lines earlier than upstream: no new lock, so no new lock
+order. A compile that raises releases the lock on the way out and the error reaches that caller.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import time
+import types
+from typing import Any, Callable
+
+from torch_threadsafe_compile._torch import call_plumbing, compile_lock
+from torch_threadsafe_compile.patches.first_compile import _calls, _flights
+from torch_threadsafe_compile.patches.first_compile._cache_probe import CacheProbe, backend_of
+from torch_threadsafe_compile.patches.first_compile._calls import GateCall, Retry
+from torch_threadsafe_compile.patches.first_compile._continuations import ContinuationGates
+from torch_threadsafe_compile.patches.first_compile._gate import GATE_CODE, RESUME_GATE_CODE
+from torch_threadsafe_compile.patches.first_compile._stats import Stats
+
+_MODULE_FILE = os.path.join("torch", "nn", "modules", "module.py")
+_MODULE_PLUMBING = ("_call_impl", "_wrapped_call_impl")
+
+
+def first_frame_gate(caller: Any, cw_code: types.CodeType) -> bool:
+    """Whether the frame being compiled (called from ``caller``) is the first real frame of the gated call
+    at the top of this thread's stack of gated calls.
+
+    Between dynamo's ``compile_wrapper`` and that frame there may only be ``nn.Module``'s call plumbing
+    (``torch.compile(module)`` wraps ``module.__call__``; ``module.compile()`` wraps ``_call_impl``) and
+    registered plumbing of ours (``_torch.call_plumbing``). A continuation called through its gate is a
+    first frame too. Anything else (a function called from compiled code): False.
+    """
+    if caller is None:
+        return False
+    if caller.f_code is RESUME_GATE_CODE:
+        return True
+    f = caller
+    while f is not None and f.f_code is not cw_code:
+        code = f.f_code
+        # Identity, not equality: comparing code objects compares their constants, which can be unhashable.
+        if not any(code is c for c in call_plumbing) and not (
+            code.co_name in _MODULE_PLUMBING and code.co_filename.endswith(_MODULE_FILE)
+        ):
+            return False
+        f = f.f_back
+    return f is not None and f.f_back is not None and f.f_back.f_code is GATE_CODE
+
+
+class FrameCallback:
+    """Replaces ``convert_frame.CatchErrorsWrapper.__call__`` (on the class, so callbacks made before
+    activation are covered too)."""
+
+    def __init__(self, original: Callable[..., Any], cw_code: types.CodeType, gates: ContinuationGates,
+                 skip_frame: Callable[[], Any]) -> None:
+        self.original = original
+        self.skip_frame = skip_frame
+        self.cw_code = cw_code
+        self.gates = gates
+        self.probe = CacheProbe()
+        self.stats = Stats()
+
+    def forget(self) -> None:
+        """After ``torch._dynamo.reset()``: the compile results and statistics refer to entries that are gone."""
+        self.probe.clear()
+        self.stats.clear()
+
+    def compile_frame(self, callback: Any, frame: Any, args: tuple[Any, ...], kwargs: dict[str, Any], backend: Any) -> Any:
+        """Upstream's callback, then the bookkeeping of what it compiled."""
+        internal = _flights.internal
+        internal.compiling += 1
+        try:
+            result = self.original(callback, frame, *args, **kwargs)
+        finally:
+            internal.compiling -= 1
+        if getattr(result, "guarded_code", result) is not None:
+            self.probe.remember(frame.f_code, result, backend)
+        self.gates.install(frame.f_globals, result)
+        return result
+
+    def install(self) -> Callable[..., Any]:
+        """The function to put at ``CatchErrorsWrapper.__call__``."""
+        handle = self.handle
+
+        @functools.wraps(self.original)
+        def __call__(callback: Any, frame: Any, *args: Any, **kwargs: Any) -> Any:
+            # The frame below this one is the caller of the frame being compiled (that frame is not on the
+            # Python stack yet): a gate, dynamo's compile_wrapper, module plumbing, or compiled code.
+            return handle(callback, frame, sys._getframe(1), args, kwargs)
+
+        return __call__
+
+    def _nonrecursively_disabled(self, caller: Any) -> bool:
+        """Upstream's callback skips a frame called by ``torch.compiler.disable(recursive=False)``'s wrapper,
+        which it finds by walking back past its own (convert_frame.py) frames: ours would be in the way."""
+        decorators = sys.modules.get("torch._dynamo.decorators")
+        code = getattr(decorators, "_nonrecursive_disable_wrapper_code", None)
+        return code is not None and caller is not None and caller.f_code is code
+
+    def handle(self, callback: Any, frame: Any, caller: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if _flights.internal.busy:  # a frame created by the flight bookkeeping itself
+            del caller
+            return self.original(callback, frame, *args, **kwargs)
+        if self._nonrecursively_disabled(caller):
+            del caller
+            return self.skip_frame()  # what upstream returns for it: run the frame as it is, this time
+        backend = backend_of(callback)  # what dynamo's lookup compares entries against
+        entries = _calls.stack()
+        compile_fn = functools.partial(self.compile_frame, callback, frame, args, kwargs, backend)
+        first = bool(entries) and first_frame_gate(caller, self.cw_code)
+        del caller
+        if not first:
+            owner = _calls.innermost_main(entries)
+            return _flights.fly(owner.key if owner else None, owner, compile_fn, compile_lock())
+        call = _calls.state(entries, -1)
+        return self._first_frame(call, entries, frame, backend, compile_fn)
+
+    def _first_frame(self, call: GateCall, entries: list[Any], frame: Any, backend: Any, compile_fn: Callable[[], Any]) -> Any:
+        code = frame.f_code
+        retry = call.may_retry()
+        if retry and self.probe.matches(frame, backend):
+            # Dynamo's lookup missed an entry that is in the cache: it walks the entry list while other
+            # threads move entries to its front (see the package docstring). Look again.
+            call.attempt += 1
+            self.stats.record(code, "lookup_retries")
+            raise Retry()
+        t0 = time.perf_counter()
+        lock = compile_lock()  # read at call time: compile_lock_watchdog may have wrapped it
+        owner = _calls.innermost_main(entries) if call.resume else call
+        flight = owner.flight if owner is not None else None
+        if flight is not None:
+            flight.queued += 1  # its waiters need not wait for this thread's turn at the lock
+        try:
+            lock.acquire()
+        finally:
+            if flight is not None:
+                flight.queued -= 1
+        try:
+            waited = time.perf_counter() - t0
+            served = retry and self.probe.matches(frame, backend)
+            if not served:
+                result = _flights.fly(owner.key if owner else None, owner, compile_fn, lock)
+        finally:
+            lock.release()
+        if served:
+            call.attempt += 1
+            self.stats.record(code, "served_by_other_thread", waited)
+            raise Retry()  # the gate waits for the server's flight to land, then calls again
+        if getattr(result, "guarded_code", result) is not None:
+            self.stats.record(code, "compiles", waited)
+        return result

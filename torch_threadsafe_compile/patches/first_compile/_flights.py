@@ -1,0 +1,143 @@
+"""Flights: a gated call that compiled something, and the wait of its function's other callers.
+
+A gated call that compiles anything is a *flight* of its function until the call returns. Other threads
+entering the gate of the same function (same first code object, so per-thread ``torch.compile(module
+copy)`` counts as one function) wait for the flight to land before they call, holding no lock: so the
+graph-break continuations and the functions called from compiled code that the flight compiles on its
+way are compiled once, not once per thread. The wait is bounded: it lasts while the flight compiles
+(upstream would wait for ``compile_lock`` as long) and at most ``FOLLOW_FACTOR`` times its compile time
+after that (1 s … ``FOLLOW_MAX_S``), at most ``COMPILE_WAIT_MAX_S`` in all. It ends at once when the
+flight queues for ``compile_lock`` behind another function's compile: then the waiters' own calls (which
+may need nothing compiled) are not held up by compiles elsewhere, for instance a neighbour whose compiles
+keep failing. A thread that is itself compiling or holds ``compile_lock`` (an export, an FX trace) never
+waits.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import types
+from typing import Any, Callable
+
+from torch_threadsafe_compile._torch import holds_compile_lock
+
+FOLLOW_FACTOR = 4.0
+FOLLOW_MAX_S = 10.0
+COMPILE_WAIT_MAX_S = 60.0
+
+
+class Flight:
+    """One thread's gated call that compiled something."""
+
+    __slots__ = ("owner", "landed", "compiling", "queued", "compile_s", "idle_since")
+
+    def __init__(self) -> None:
+        self.owner = threading.get_ident()
+        self.landed = threading.Event()
+        self.compiling = 0  # compiles of this flight under way (holding compile_lock)
+        self.queued = 0  # compiles of this flight waiting for compile_lock
+        self.compile_s = 0.0
+        self.idle_since = time.monotonic()
+
+
+# first code object of a gated function -> its flights. Non-empty only while first calls are under way, so
+# the gate's warm path pays one truthiness test. _lock is a leaf lock: nothing else is acquired under it.
+flights: dict[types.CodeType, list[Flight]] = {}
+_lock = threading.Lock()
+
+
+class _Internal(threading.local):
+    def __init__(self) -> None:
+        # Set while this thread runs the bookkeeping below. These helpers can run under an active dynamo
+        # callback (a gated function called from compiled code), so the frames they create (threading's
+        # Event, Condition) reach the frame callback, which must not re-enter the bookkeeping.
+        self.busy = False
+        # Dynamo callbacks (compiles) under way in this thread: such a thread never waits for a flight.
+        self.compiling = 0
+
+
+internal = _Internal()
+
+
+def takeoff(key: types.CodeType) -> Flight:
+    """A new flight of ``key`` for the calling thread."""
+    internal.busy = True
+    try:
+        fl = Flight()
+        with _lock:
+            flights.setdefault(key, []).append(fl)
+        return fl
+    finally:
+        internal.busy = False
+
+
+def land(key: types.CodeType, fl: Flight) -> None:
+    """The gated call of flight ``fl`` returned (or raised): its waiters may go."""
+    internal.busy = True
+    try:
+        with _lock:
+            rest = flights.get(key)
+            if rest is not None:
+                for i in range(len(rest)):  # no comprehension: one frame less under a possibly active callback
+                    if rest[i] is fl:
+                        del rest[i]
+                        break
+                if not rest:
+                    del flights[key]
+        fl.landed.set()
+    finally:
+        internal.busy = False
+
+
+def fly(key: types.CodeType | None, current: Any, compile_fn: Callable[[], Any], lock: Any) -> Any:
+    """Run ``compile_fn`` (dynamo's callback) under ``lock`` (dynamo's ``compile_lock``, which it takes
+    anyway), as part of the flight of gated call ``current``."""
+    if key is None or current is None:
+        return compile_fn()
+    fl = current.flight
+    if fl is None:
+        fl = current.flight = takeoff(key)
+    fl.queued += 1
+    try:
+        lock.acquire()
+    finally:
+        fl.queued -= 1
+    fl.compiling += 1
+    t1 = time.perf_counter()
+    try:
+        return compile_fn()
+    finally:
+        fl.compile_s += time.perf_counter() - t1
+        fl.idle_since = time.monotonic()
+        fl.compiling -= 1
+        lock.release()
+
+
+def await_others(key: types.CodeType) -> float:
+    """Wait (bounded, no lock held) until other threads' flights of ``key`` have landed; seconds waited."""
+    pending = flights.get(key)
+    if not pending or internal.compiling or holds_compile_lock():
+        return 0.0
+    me = threading.get_ident()
+    t0 = time.monotonic()
+    internal.busy = True
+    try:
+        for fl in list(pending):
+            if fl.owner == me:
+                continue
+            while not fl.landed.wait(0.02):
+                now = time.monotonic()
+                if now - t0 > COMPILE_WAIT_MAX_S:
+                    return now - t0
+                if fl.compiling:
+                    continue
+                if fl.queued or now - fl.idle_since > min(FOLLOW_MAX_S, max(1.0, FOLLOW_FACTOR * fl.compile_s)):
+                    break
+        return time.monotonic() - t0
+    finally:
+        internal.busy = False
+
+
+# Code objects dynamo must run as they are when a gated call happens inside compiled code.
+HELPER_CODES = (takeoff.__code__, land.__code__, fly.__code__, await_others.__code__, Flight.__init__.__code__)

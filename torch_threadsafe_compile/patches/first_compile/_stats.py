@@ -1,0 +1,46 @@
+"""Per compiled code object: compiles, calls served by another thread's compile, lookup retries, waits.
+
+Keyed weakly by code object, so the table shrinks when dynamo and the program drop a function.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import types
+import weakref
+from typing import Any
+
+FIELDS = ("compiles", "served_by_other_thread", "lookup_retries", "waits")
+
+
+class Stats:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_code: weakref.WeakKeyDictionary[types.CodeType, dict[str, Any]] = weakref.WeakKeyDictionary()
+
+    @staticmethod
+    def label(code: types.CodeType) -> str:
+        return f"{code.co_name} ({os.path.basename(code.co_filename)}:{code.co_firstlineno})"
+
+    def record(self, code: types.CodeType, what: str, waited: float = 0.0) -> None:
+        with self._lock:
+            row = self._by_code.get(code)
+            if row is None:
+                row = self._by_code[code] = {**dict.fromkeys(FIELDS, 0), "wait_s_total": 0.0, "wait_s_max": 0.0}
+            row[what] += 1
+            if waited > 1e-3:
+                row["waits"] += 1
+                row["wait_s_total"] = round(row["wait_s_total"] + waited, 4)
+                row["wait_s_max"] = round(max(row["wait_s_max"], waited), 4)
+
+    def report(self) -> dict[str, dict[str, Any]]:
+        with self._lock:
+            return {self.label(code): dict(row) for code, row in list(self._by_code.items())}
+
+    def clear(self) -> None:
+        with self._lock:
+            self._by_code.clear()
+
+    def __len__(self) -> int:
+        return len(self._by_code)
