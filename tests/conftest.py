@@ -1,5 +1,5 @@
 """Shared helpers. Hazard tests run their scenario in fresh interpreters (see
-``torch_threadsafe_compile.scenarios``): once with ``TTC_DISABLE=1``, where the hazard must show, and once
+``ttc_testing/scenarios.py``): once with ``TTC_DISABLE=1``, where the hazard must show, and once
 active, where it must not. A scenario that hangs is killed by the subprocess timeout, never blocking CI."""
 
 from __future__ import annotations
@@ -63,11 +63,3 @@ def stderr_lines(p: subprocess.CompletedProcess[str]) -> list[str]:
 @pytest.fixture(scope="session")
 def tv():
     return torch_version()
-
-
-def pytest_collection_modifyitems(config, items):  # noqa: ANN001
-    if os.environ.get("TTC_DISABLE"):
-        skip = pytest.mark.skip(reason="the test process itself must run with the package active (TTC_DISABLE is set)")
-        for item in items:
-            if "needs_active" in item.keywords:
-                item.add_marker(skip)

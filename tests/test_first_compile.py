@@ -10,10 +10,7 @@ import json
 
 import pytest
 
-from conftest import cuda_build_without_gpu, run_py
-
-pytestmark = pytest.mark.skipif(cuda_build_without_gpu(), reason="CUDA build of torch without a GPU: concurrent compile and "
-                                "execution can segfault in FakeTensorMode.__enter__ with or without the package (docs/hazards.md, H3)")
+from conftest import run_py
 
 TIMEOUT = 180
 PRELUDE = """

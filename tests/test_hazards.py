@@ -1,4 +1,4 @@
-"""Each hazard, unpatched vs active, in fresh interpreters (scenarios in torch_threadsafe_compile/scenarios.py).
+"""Each hazard, unpatched vs active, in fresh interpreters (scenarios in ttc_testing/scenarios.py).
 
 A hazard test proves something only if the hazard shows with ``TTC_DISABLE=1``: each test asserts both
 sides. Where a hazard does not exist on the installed torch, the test skips and says why.
@@ -10,35 +10,20 @@ from __future__ import annotations
 import pytest
 from packaging.version import Version
 
-from conftest import cuda_build_without_gpu, torch_version
-from torch_threadsafe_compile import scenarios
+from conftest import torch_version
+from ttc_testing import scenarios
 
 TV = torch_version()
 OFF = {"TTC_DISABLE": "1"}
 ON = {"TTC_DISABLE": "0"}
 
 
-# On a CUDA build without a GPU any run that compiles in one thread while another runs compiled code can die of
-# the FakeTensorMode segfault described in docs/hazards.md (H3); such a crash says nothing about the hazard
-# under test, so it is retried (twice at most) there, and only there.
-CRASH_RETRIES = 2 if cuda_build_without_gpu() else 0
-
-
-def _run(name: str, env: dict[str, str], **kwargs):  # noqa: ANN202
-    res = scenarios.run(name, env=env, **kwargs)
-    for _ in range(CRASH_RETRIES):
-        if res.get("rc", 0) >= 0:
-            break
-        res = scenarios.run(name, env=env, **kwargs)
-    return res
-
-
 def pair(name: str, unpatched_may_crash: bool = False, **kwargs):  # noqa: ANN201
-    """Run ``name`` unpatched and active. With ``unpatched_may_crash``, an unpatched crash (a signal, as the
-    H3 stampede segfault of torch 2.11's CUDA build without a GPU) counts as the hazard showing; it is
+    """Run ``name`` unpatched and active. With ``unpatched_may_crash``, an unpatched crash (a signal, as on
+    torch's CUDA builds without a GPU: H3, ``cuda_device_guard``) counts as the hazard showing; it is
     returned as ``{"crashed": signal}``. The active run must always complete."""
-    off = _run(name, OFF, **kwargs)
-    on = _run(name, ON, **kwargs)
+    off = scenarios.run(name, env=OFF, **kwargs)
+    on = scenarios.run(name, env=ON, **kwargs)
     if unpatched_may_crash and off.get("rc", 0) < 0:
         off = {"crashed": -off["rc"]}
     for label, res in (("unpatched", off), ("active", on)):
@@ -102,6 +87,18 @@ def test_h6_assignments_reach_every_thread_patches_stay_local() -> None:
     assert on["main_during_patch_sees"] == 64
 
 
+@pytest.mark.skipif(TV < Version("2.12"), reason="H6 needs torch >= 2.12 (ContextVar config overrides)")
+def test_h6_patches_stay_in_their_thread_and_follow_the_main_thread_after() -> None:
+    """patch config_overrides: no other thread's assignment reaches into a config.patch; after the patch the
+    thread follows the main thread's value (not a stale copy); aliases assigned in the main thread reach new
+    threads; a child thread's assignment does not change the main thread's get_hash() (upstream's rule)."""
+    off, on = pair("config_patch_isolation", seconds=1.5)
+    assert off["after_patch_sees"] != off["main_value"] == 64  # the hazard: the main thread's value is not seen
+    assert on["foreign_reads"] == 0 and on["reads"] > 1000
+    assert on["after_patch_sees"] == on["main_value"] == 64
+    assert on["alias_seen_by_new_thread"] in (40, None) and off["main_hash_unchanged_by_child"] and on["main_hash_unchanged_by_child"]
+
+
 @pytest.mark.skipif(TV >= Version("2.12"), reason="H5 (dynamic flags) fixed upstream in torch 2.12 (config patches are per-thread)")
 def test_h5_dynamic_flags_stay_in_the_calling_thread() -> None:
     """patch dynamic_flags: calls of a dynamic=True function do not change the shape flags other threads see."""
@@ -111,11 +108,6 @@ def test_h5_dynamic_flags_stay_in_the_calling_thread() -> None:
 
 
 # -- H3: first_compile ---------------------------------------------------------------------------------
-h3_env = pytest.mark.skipif(cuda_build_without_gpu(), reason="CUDA build of torch without a GPU: concurrent compile and "
-                            "execution can segfault in FakeTensorMode.__enter__ with or without the package (docs/hazards.md, H3)")
-
-
-@h3_env
 @pytest.mark.parametrize("threads", [8, 10])
 def test_h3_one_compile_per_stampede(threads: int) -> None:
     """patch first_compile: N simultaneous first calls -> 1 compile; a new-shape stampede -> 1 more."""
@@ -127,7 +119,6 @@ def test_h3_one_compile_per_stampede(threads: int) -> None:
     assert on["uncompiled_frames"] == 0 and on["errors"] == 0 and on["wrong_results"] == 0
 
 
-@h3_env
 @pytest.mark.parametrize("how", ["torch.compile", "module.compile"])
 def test_h3_modules_compile_once(how: str) -> None:
     """patch first_compile: torch.compile(module) and module.compile(), 8 simultaneous first calls -> 1 compile."""
@@ -136,7 +127,6 @@ def test_h3_modules_compile_once(how: str) -> None:
     assert on["graphs"] == 1 and on["errors"] == 0 and on["uncompiled_frames"] == 0
 
 
-@h3_env
 def test_h3_one_compile_per_guard_set() -> None:
     """patch first_compile: threads needing two guard sets (float32/float64) -> 2 compiles."""
     off, on = pair("guard_sets", unpatched_may_crash=True, threads=6)
@@ -144,7 +134,6 @@ def test_h3_one_compile_per_guard_set() -> None:
     assert on["graphs"] == 2 and on["errors"] == 0
 
 
-@h3_env
 @pytest.mark.parametrize(
     "graph_break,closure", [(0, 0), (1, 0), (1, 1)], ids=["plain", "graph-break", "graph-break-closure"]
 )
@@ -179,7 +168,6 @@ def test_h7_is_exporting_only_in_the_exporting_thread() -> None:
     assert on["true"] == 0 and on["raw_returned"] == 0 and on["polls"] > 1000 and on["exports"] > 0
 
 
-@h3_env
 def test_h7_export_does_not_break_other_threads_compiles() -> None:
     """patch export_lock: compiles in other threads while one thread exports in a loop all succeed."""
     off, on = pair("export_vs_compile", unpatched_may_crash=True, seconds=8, compilers=3)

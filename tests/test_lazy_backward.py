@@ -1,9 +1,10 @@
 """H4: the compile-lock / autograd-engine deadlock (patches ``lazy_backward`` and ``compile_lock_watchdog``).
 
 The deadlock itself needs a CUDA autograd worker thread; it is reproduced by ``test_h4_drafter_flex_cuda``
-(marked ``cuda``, skipped elsewhere). On the CPU we test the logic: the option is forced on the right
-versions and reaches every thread, it stays out elsewhere with its reason, and the watchdog reports a
-blocked compile lock within its bound.
+(marked ``cuda``, skipped elsewhere). On the CPU we test its two halves: a backward whose compile waits for
+``compile_lock`` held by another thread (the hazard, unpatched), and a backward compiled with the forward
+(active) that does not; that CPU graphs keep upstream's lazy backward; that no config value changes; and
+that the watchdog reports a blocked compile lock within its bound.
 """
 
 from __future__ import annotations
@@ -16,48 +17,106 @@ import pytest
 from packaging.version import Version
 
 from conftest import run_py, torch_version
-from torch_threadsafe_compile import scenarios
+from ttc_testing import scenarios
 
 TV = torch_version()
 
-PROBE = """
-import json, threading, torch, torch._functorch.config as fc, torch_threadsafe_compile as ttc
-row = next(p for p in ttc.status()["patches"] if p["id"] == "lazy_backward")
+H4_EXISTS = pytest.mark.skipif(TV < Version("2.6"), reason="before torch 2.6 the backward compiler does not take compile_lock: no H4")
+
+# A compile whose backward compiler takes compile_lock, as inductor's does from torch 2.6 (aot_eager's does
+# not; inductor itself would make each run compile C++ for tens of seconds on a CPU machine).
+MECHANISM = """
+import json, threading, time, torch, torch._dynamo
+import torch._dynamo.convert_frame as cf
+import torch_threadsafe_compile as ttc
+from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.aot_autograd import make_boxed_func
+WORKER_DEVICE = {worker}
+if WORKER_DEVICE and ttc.is_patched("lazy_backward"):
+    # Treat the CPU as a device whose backward runs on an autograd worker thread (as CUDA's does), so
+    # that the mechanism can be exercised on a machine without a GPU.
+    from torch_threadsafe_compile.patches import lazy_backward
+    lazy_backward.BACKWARD_IN_CALLING_THREAD = frozenset()
+events = []
+def fw(gm, ex):
+    events.append("fw"); return make_boxed_func(gm.forward)
+def bw(gm, ex):
+    with cf.compile_lock:
+        events.append("bw"); return make_boxed_func(gm.forward)
+f = torch.compile(lambda x: (x * 3).sin().sum(), backend=aot_autograd(fw_compiler=fw, bw_compiler=bw))
+x = torch.randn(8, requires_grad=True)
+y = f(x)
+compiled_before_backward = "bw" in events
+# Another thread holds compile_lock (as a thread tracing flex_attention's backward does while it waits for
+# the autograd engine); does this thread's backward still finish?
+held, release = threading.Event(), threading.Event()
+def holder():
+    with cf.compile_lock:
+        held.set(); release.wait(30)
+t = threading.Thread(target=holder, daemon=True); t.start(); held.wait()
+done = threading.Event()
+threading.Thread(target=lambda: (y.backward(), done.set()), daemon=True).start()
+finished_while_held = done.wait(5)
+release.set(); done.wait(30)
+cfg = torch._functorch.config
+opt = getattr(cfg, "force_non_lazy_backward_lowering", None)
 box = []
-t = threading.Thread(target=lambda: box.append(getattr(fc, "force_non_lazy_backward_lowering", None))); t.start(); t.join()
-print("RESULT " + json.dumps(dict(state=row["state"], reason=row["reason"], main=getattr(fc, "force_non_lazy_backward_lowering", None), thread=box[0])))
+th = threading.Thread(target=lambda: box.append(getattr(cfg, "force_non_lazy_backward_lowering", None))); th.start(); th.join()
+print("RESULT " + json.dumps(dict(compiled_before_backward=compiled_before_backward, finished_while_held=finished_while_held,
+      grad_ok=bool(torch.allclose(x.grad, 3 * torch.cos(3 * x))), option_main=opt, option_thread=box[0])))
 """
 
 
-def _probe(env: dict[str, str]) -> dict:
-    p = run_py(PROBE, env=env)
+def _mechanism(env: dict[str, str], worker: bool) -> dict:
+    p = run_py(MECHANISM.format(worker=worker), env=env, timeout=120)
     line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
-    assert line, p.stderr[-2000:]
+    assert line, p.stderr[-3000:]
     return json.loads(line[0][7:])
 
 
-@pytest.mark.skipif(TV < Version("2.10"), reason="force_non_lazy_backward_lowering does not exist before torch 2.10")
-def test_eager_backward_lowering_forced_in_every_thread() -> None:
-    off = _probe({"TTC_DISABLE": "1"})
-    on = _probe({})
-    assert off["main"] is False and off["thread"] is False  # upstream default: lazy
-    assert on["state"] == "applied" and on["main"] is True and on["thread"] is True
+@H4_EXISTS
+def test_h4_backward_on_a_worker_device_is_compiled_with_the_forward() -> None:
+    """patch lazy_backward: for a graph whose backward runs on an autograd worker thread, the backward is
+    compiled with the forward, so a backward never waits for compile_lock held by another thread (the
+    lock-order inversion of H4). Unpatched: compiled lazily, and the backward blocks on the lock."""
+    off = _mechanism({"TTC_DISABLE": "1"}, worker=True)
+    on = _mechanism({}, worker=True)
+    assert off["compiled_before_backward"] is False and off["finished_while_held"] is False  # the hazard
+    assert on["compiled_before_backward"] is True and on["finished_while_held"] is True
+    assert on["grad_ok"] and off["grad_ok"]
+
+
+@H4_EXISTS
+def test_cpu_graphs_pay_nothing_and_config_is_untouched() -> None:
+    """patch lazy_backward: a CPU backward runs in the calling thread (no inversion possible), so CPU graphs
+    keep upstream's lazy backward; and no config value changes, in any thread."""
+    off = _mechanism({"TTC_DISABLE": "1"}, worker=False)
+    on = _mechanism({}, worker=False)
+    assert on["compiled_before_backward"] is False == off["compiled_before_backward"]
+    assert on["option_main"] == off["option_main"] and on["option_thread"] == off["option_thread"]
 
 
 @pytest.mark.skipif(TV < Version("2.10"), reason="force_non_lazy_backward_lowering does not exist before torch 2.10")
 def test_users_own_setting_wins() -> None:
+    """A program that sets the option itself (here: False, explicitly) gets exactly that."""
     p = run_py("""
-import torch, torch._functorch.config as fc, torch_threadsafe_compile as ttc
-fc.force_non_lazy_backward_lowering = False   # the program decides after import
-print(fc.force_non_lazy_backward_lowering)
+import torch, torch._functorch.config as fc, torch._dynamo, torch_threadsafe_compile as ttc
+from torch_threadsafe_compile.patches import lazy_backward
+lazy_backward.BACKWARD_IN_CALLING_THREAD = frozenset()
+fc.force_non_lazy_backward_lowering = False   # the program decides
+f = torch.compile(lambda x: x.sin().sum(), backend="aot_eager")
+f(torch.randn(4, requires_grad=True))
+print(fc.force_non_lazy_backward_lowering, lazy_backward.stats["eager_backward_graphs"])
 """)
-    assert p.stdout.strip() == "False", p.stderr[-2000:]
+    assert p.stdout.strip() == "False 0", p.stderr[-2000:]
 
 
-@pytest.mark.skipif(TV >= Version("2.10"), reason="the option exists on this torch")
-def test_skipped_with_reason_before_2_10() -> None:
-    on = _probe({})
-    assert on["state"] == "skipped" and "outside" in on["reason"]
+@pytest.mark.skipif(TV >= Version("2.6"), reason="the backward compiler takes compile_lock on this torch")
+def test_skipped_with_reason_before_2_6() -> None:
+    p = run_py("import json, torch, torch._functorch.aot_autograd, torch_threadsafe_compile as t; "
+               "print(json.dumps(next(r for r in t.status()['patches'] if r['id'] == 'lazy_backward')))")
+    row = json.loads(p.stdout.strip().splitlines()[-1])
+    assert row["state"] == "skipped" and "outside" in row["reason"]
 
 
 def test_watchdog_reports_a_blocked_compile_lock() -> None:

@@ -42,7 +42,7 @@ def _status(p) -> dict:  # noqa: ANN001
 
 def test_plain_start_imports_nothing_heavy() -> None:
     p = run_py("import sys; print(sorted(m for m in ('torch', 'wrapt', 'packaging', 'logging', 'torch_threadsafe_compile.registry') if m in sys.modules)); "
-               "import torch_threadsafe_compile._bootstrap as b; print(b.mode)")
+               "import torch_threadsafe_compile._state as b; print(b.mode)")
     assert p.returncode == 0, p.stderr
     imported, mode = p.stdout.split("\n")[:2]
     assert imported == "[]"
@@ -50,9 +50,12 @@ def test_plain_start_imports_nothing_heavy() -> None:
     assert not stderr_lines(p)
 
 
-def test_disabled_start_does_not_even_import_the_bootstrap() -> None:
-    p = run_py("import sys; print('torch_threadsafe_compile' in sys.modules)", env={"TTC_DISABLE": "1"})
-    assert p.stdout.strip() == "False"
+def test_disabled_start_activates_nothing() -> None:
+    p = run_py("import sys; print(sorted(m for m in ('torch', 'wrapt', 'packaging', 'logging', 'torch_threadsafe_compile.registry', "
+               "'torch_threadsafe_compile._lifecycle') if m in sys.modules)); from torch_threadsafe_compile import _state; "
+               "print(_state.mode, _state.inactive_reason); print(any(type(f).__name__ == '_PostImportFinder' for f in sys.meta_path))",
+               env={"TTC_DISABLE": "1"})
+    assert p.stdout.split("\n")[:3] == ["[]", "None TTC_DISABLE=1", "False"], p.stdout + p.stderr
 
 
 def test_torch_absent(tmp_path: Path) -> None:
@@ -98,7 +101,7 @@ def test_changed_patch_target_is_skipped_with_reason(tmp_path: Path) -> None:
     assert len(stderr_lines(p)) <= 1
 
 
-def test_patch_that_fails_is_reverted_with_one_warning(tmp_path: Path) -> None:
+def test_target_without_source_is_skipped_with_one_warning_at_most(tmp_path: Path) -> None:
     # is_compiling's source cannot be read (compiled from a string): the rewrite fails -> skipped, torch untouched.
     _fake_torch(tmp_path, "2.13.0", {
         "__init__.py": "from . import compiler\n",
@@ -143,7 +146,8 @@ def test_double_activation_is_harmless() -> None:
         from torch_threadsafe_compile import _bootstrap
         n = len(sys.meta_path)
         assert _bootstrap.activate('pth') and _bootstrap.activate('sitecustomize')
-        assert len(sys.meta_path) == n and _bootstrap.mode == 'pth'
+        from torch_threadsafe_compile import _state
+        assert len(sys.meta_path) == n and _state.mode == 'pth'
         print('ok')
     """)
     assert p.stdout.strip() == "ok", p.stderr

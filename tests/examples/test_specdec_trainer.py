@@ -56,6 +56,13 @@ def test_short_run_learns(tmp_path: Path) -> None:
     assert s["throughput"]["target"]["tokens"] > 0 and s["throughput"]["drafter"]["tokens"] > 0
     assert s["compile"]["unique_graphs"] >= 2
     assert (tmp_path / "metrics.jsonl").exists() and (tmp_path / "summary.json").exists()
+    # With --out a checkpoint is written at the end even without --save-every.
+    assert (tmp_path / "ckpt-000080" / "checkpoint.safetensors").exists()
+    # The SUMMARY line stays short; the full TTC status is in summary.json.
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("SUMMARY ")][-1]
+    assert len(line) < 1500 and "patches" not in line, line
+    full = json.loads((tmp_path / "summary.json").read_text())
+    assert "status" in full["ttc"] and s["summary_json"] == str(tmp_path / "summary.json")
 
 
 def test_resume_reproduces_loss_curve(tmp_path: Path) -> None:
@@ -115,13 +122,55 @@ def test_no_ttc_reexecs_with_ttc_disable() -> None:
     assert out["ttc_disable_env"] is None and out["config"]["error_policy"] == "raise"
 
 
-def test_worker_error_stops_cleanly() -> None:
-    """An error in one thread stops all of them, is reported with its traceback, and the exit code is 1."""
+def test_worker_error_stops_cleanly(tmp_path: Path) -> None:
+    """An error in one thread stops all of them, is reported with its traceback and, as the last line, one line
+    naming it; the exit code is 1 and the checkpoint of the last completed step is written."""
     proc, s = run(TINY + ["--target-threads", "2", "--drafter-threads", "2", "--steps", "50", "--no-compile",
-                          "--inject-fault", "error:drafter:3"], timeout=120)
+                          "--inject-fault", "error:drafter:3", "--out", str(tmp_path)], timeout=120)
     assert proc.returncode == 1, explain(proc)
     assert "injected fault in drafter thread at step 3" in proc.stderr
     assert "Traceback" in proc.stderr and s["status"] == "error"
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("train.py: error: RuntimeError: injected fault in drafter thread at step 3"), last
+    assert "checkpoint of step 3 kept" in last, last
+    assert (tmp_path / "ckpt-000003" / "checkpoint.safetensors").exists()
+    meta = json.loads((tmp_path / "ckpt-000003" / "meta.json").read_text())
+    assert meta["step"] == 3
+
+
+def test_sequential_layout_matches_threaded(tmp_path: Path) -> None:
+    """The sequential baseline trains on the same batches with the same averaged gradients: same loss curve and
+    the same final parameters as the threaded layout."""
+    common = TINY + ["--target-threads", "2", "--drafter-threads", "2", "--steps", "8", "--eval-every", "0",
+                     "--compile-backend", "aot_eager"]
+    proc_a, a = run(common + ["--out", str(tmp_path / "a")])
+    assert proc_a.returncode == 0, explain(proc_a)
+    proc_b, b = run(common + ["--layout", "sequential", "--out", str(tmp_path / "b")])
+    assert proc_b.returncode == 0, explain(proc_b)
+    assert a["layout"] == "threaded" and b["layout"] == "sequential" and b["threads"] == {"sequential": 1}
+    la, lb = train_records(tmp_path / "a" / "metrics.jsonl"), train_records(tmp_path / "b" / "metrics.jsonl")
+    assert sorted(la) == sorted(lb) == list(range(1, 9))
+    for step in la:
+        assert lb[step] == pytest.approx(la[step], abs=1e-5), (step, la[step], lb[step])
+    sums = [re.search(r"PARAM_CHECKSUM rank=0 (\S+)", p.stdout).group(1) for p in (proc_a, proc_b)]
+    assert float(sums[0]) == pytest.approx(float(sums[1]), rel=1e-6), sums
+    for s in (a, b):
+        assert s["throughput"]["drafter"]["tokens"] == 8 * 2 * 2 * 64
+        assert s["throughput"]["drafter"]["steady_tokens_per_s"] > 0
+
+
+def test_bench_compares_layouts(tmp_path: Path) -> None:
+    """bench/bench_trainer.py runs the sequential baseline and the threaded layout back to back and reports both."""
+    extra = " ".join(TINY + ["--compile-backend", "aot_eager"])
+    cmd = [sys.executable, str(ROOT / "bench" / "bench_trainer.py"), "--preset", "cpu-tiny", "--steps", "6",
+           "--threads", "1+1", "--extra", extra, "--cache", "user", "--timeout", "200", "--work-dir", str(tmp_path),
+           "--json", str(tmp_path / "bench.json")]
+    proc = subprocess.run(cmd, cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=420)
+    assert proc.returncode == 0, explain(proc)
+    assert "| sequential ×1 | ok |" in proc.stdout and "| threaded 1+1 | ok |" in proc.stdout, proc.stdout
+    results = json.loads((tmp_path / "bench.json").read_text())
+    assert [r["layout"] for r in results] == ["sequential", "threaded"]
+    assert results[1]["ratio_value"] and results[1]["ratio_value"] > 0
 
 
 def test_hang_watchdog() -> None:
@@ -130,3 +179,18 @@ def test_hang_watchdog() -> None:
                           "--inject-fault", "hang:drafter:2", "--hang-timeout", "5"], timeout=120)
     assert proc.returncode == 3, explain(proc)
     assert "HANG DETECTED" in proc.stderr and "drafter_loop" in proc.stderr
+
+
+def test_target_compiled_per_layer(tmp_path: Path) -> None:
+    """--target-compile-scope layer: one compiled decoder layer serves every layer of the target (one graph for
+    the target, one for the drafter loss, no recompiles), and the losses equal the whole-model compile's."""
+    common = TINY + ["--target-layers", "3", "--target-threads", "2", "--drafter-threads", "1", "--steps", "4",
+                     "--eval-every", "0", "--compile-backend", "aot_eager"]
+    proc, s = run(common + ["--target-compile-scope", "layer", "--out", str(tmp_path / "layer")])
+    assert proc.returncode == 0, explain(proc)
+    assert s["compile"] == {"unique_graphs": 2, "recompiles": 0}, s["compile"]
+    proc, _ = run(common + ["--out", str(tmp_path / "model")])
+    assert proc.returncode == 0, explain(proc)
+    a, b = train_records(tmp_path / "layer" / "metrics.jsonl"), train_records(tmp_path / "model" / "metrics.jsonl")
+    for step in a:
+        assert a[step] == pytest.approx(b[step], abs=1e-5), (step, a[step], b[step])

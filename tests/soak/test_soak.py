@@ -1,6 +1,6 @@
 """Short-mode concurrency soak and fault injection (CI): a few minutes on two CPU cores in total.
 
-Each test runs the harness (``tests/soak/harness.py``) in a fresh interpreter with the package active and
+Each test runs the harness (``ttc_testing/soak.py``) in a fresh interpreter with the package active and
 its own deadline, so a hang fails the test instead of blocking the suite. The long mode, and the comparison
 with ``TTC_DISABLE=1``, is ``bench/soak.py`` (results in docs/reliability.md).
 
@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tests.soak import harness  # noqa: E402
+from ttc_testing import soak as harness  # noqa: E402
 
 # Runs start like a plain user program (`import torch`, then torch.compile); `import torch._dynamo` first
 # is a variant of bench/soak.py.

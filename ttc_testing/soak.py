@@ -4,11 +4,12 @@ Why a harness of its own: the hazards in docs/hazards.md (H1 tracing flag, H2 co
 H4 deadlock, H5/H6 process-global state) only show up when many kinds of compiled work overlap in one
 process. This module builds such a workload, runs it for a fixed time, checks every compiled output
 against the same function run eagerly on the same inputs, and reports plain numbers. It never decides
-pass/fail: ``tests/soak/test_soak.py`` and ``bench/soak.py`` do.
+pass/fail: ``tests/soak/test_soak.py`` and ``bench/soak.py`` do. Lives in ``ttc_testing`` so that both can
+import it without ``bench/`` depending on ``tests/``.
 
 Every run happens in a fresh interpreter (:func:`run_subprocess`), so the package can be compared active
 versus ``TTC_DISABLE=1`` and so dynamo's process-global counters start at zero. The child runs
-``python -X faulthandler harness.py '<json config>'`` and prints one ``RESULT {json}`` line.
+``python -X faulthandler ttc_testing/soak.py '<json config>'`` and prints one ``RESULT {json}`` line.
 
 Workload (``functions`` compiled callables, kinds cycled by index, each with its *own* code object so
 that dynamo caches them separately):

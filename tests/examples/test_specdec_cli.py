@@ -1,0 +1,104 @@
+"""Bad invocations of the reference trainer: each gets one line on stderr and a non-zero exit within seconds (the
+command line is checked before torch is imported or anything is built), never a traceback or a hang. CPU only;
+every run has a timeout well under a minute."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import List
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+TRAIN = ROOT / "examples" / "specdec" / "train.py"
+
+
+def cuda_available() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:
+        return False
+
+
+def bad_run(args: List[str], timeout: float = 55) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("TTC_DISABLE", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, str(TRAIN), *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    assert time.monotonic() - start < 60
+    return proc
+
+
+def assert_one_line(proc: subprocess.CompletedProcess, *needles: str) -> None:
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2, (proc.returncode, proc.stdout[-2000:], proc.stderr[-3000:])
+    assert len(lines) == 1 and lines[0].startswith("train.py: error: "), proc.stderr
+    assert "Traceback" not in proc.stderr and "SUMMARY" not in proc.stdout
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--target-threads", "0"], "--target-threads must be at least 1 (got 0)"),
+    (["--drafter-threads", "0"], "--drafter-threads must be at least 1 (got 0)"),
+    (["--drafter-threads", "-2"], "--drafter-threads must be at least 1"),
+    (["--steps", "-5"], "--steps must be at least 1 (got -5)"),
+    (["--steps", "0"], "--steps must be at least 1 (got 0)"),
+    (["--batch-size", "0"], "--batch-size must be at least 1"),
+    (["--seq-len", "-1"], "--seq-len must be at least 1"),
+    (["--vocab-size", "0"], "--vocab-size must be at least 1"),
+    (["--target-dim", "-8"], "--target-dim must be at least 1"),
+    (["--target-layers", "0"], "--target-layers must be at least 1"),
+    (["--target-heads", "0"], "--target-heads must be at least 1"),
+    (["--ttt-steps", "0"], "--ttt-steps must be at least 1"),
+    (["--queue-size", "0"], "--queue-size must be at least 1"),
+    (["--lr", "0"], "--lr must be positive"),
+    (["--target-dim", "100", "--target-heads", "3"], "not a multiple of --target-heads"),
+    (["--seq-len", "4", "--ttt-steps", "3"], "too short for --ttt-steps"),
+    (["--steps", "abc"], "invalid int value"),
+    (["--devices", "gpu"], "--devices 'gpu'"),
+    (["--devices", "cpu,cuda:0"], "mixes CPU and CUDA"),
+    (["--devices", "auto,cpu"], "--devices 'auto,cpu'"),
+    (["--inject-fault", "boom"], "--inject-fault"),
+    (["--target-compile-scope", "layer", "--target-compile-mode", "reduce-overhead"], "needs --target-compile-scope model"),
+    (["--resume", "/nonexistent/run"], "--resume /nonexistent/run: no such file or directory"),
+])
+def test_bad_argument(args: List[str], needle: str) -> None:
+    assert_one_line(bad_run(["--preset", "cpu-tiny", *args]), needle)
+
+
+def test_out_cannot_be_created(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert_one_line(bad_run(["--preset", "cpu-tiny", "--out", str(blocker / "run")]), "--out", "cannot create")
+
+
+def test_resume_without_checkpoint(tmp_path: Path) -> None:
+    assert_one_line(bad_run(["--preset", "cpu-tiny", "--resume", str(tmp_path)]), "no checkpoint there")
+
+
+def test_resume_at_or_past_the_last_step(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt-000050"
+    ckpt.mkdir()
+    (ckpt / "checkpoint.safetensors").write_bytes(b"")
+    (ckpt / "meta.json").write_text('{"step": 50}')
+    assert_one_line(bad_run(["--preset", "cpu-tiny", "--steps", "50", "--resume", str(tmp_path)]),
+                    "is at step 50", "nothing to train")
+
+
+@pytest.mark.skipif(cuda_available(), reason="this machine has CUDA")
+@pytest.mark.parametrize("args", [["--preset", "cuda-small"], ["--preset", "multi-gpu"], ["--preset", "cuda-8b"],
+                                  ["--preset", "cpu-tiny", "--devices", "cuda:0"],
+                                  ["--preset", "cpu-tiny", "--devices", "cuda"]])
+def test_cuda_requested_without_cuda(args: List[str]) -> None:
+    assert_one_line(bad_run(args), "needs CUDA", "use --devices cpu")
+
+
+def test_no_ttc_bad_argument_still_one_line() -> None:
+    """--no-ttc re-executes the interpreter; arguments are checked before that, once."""
+    assert_one_line(bad_run(["--preset", "cpu-tiny", "--no-ttc", "--steps", "-5"]), "--steps must be at least 1")

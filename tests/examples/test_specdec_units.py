@@ -1,0 +1,87 @@
+"""In-process checks of the trainer's building blocks (CPU): the fast BlockMask construction, the FLOP formulas
+behind the MFU numbers, and the synthetic data."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+
+from specdec import data as data_mod, flops, masks, models  # noqa: E402
+
+
+@pytest.mark.parametrize("batch, seq, steps", [(2, 128, 3), (2, 200, 2), (1, 64, 2)])
+def test_block_mask_matches_create_block_mask(batch: int, seq: int, steps: int) -> None:
+    """Every tensor of the BlockMask built from one dense evaluation equals create_block_mask's."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    doc = data_mod.MarkovData(64, batch, seq, min_doc=8, max_doc=90).batch(0).doc
+    mod = masks.ttt_mod(doc, seq)
+    dense = masks.dense_mask(mod, batch, seq, seq * steps, torch.device("cpu"))
+    pairs = [(masks.block_mask_from_dense(dense[..., :seq * (i + 1)], mod),
+              create_block_mask(mod, batch, None, seq, seq * (i + 1), device="cpu")) for i in range(steps)]
+    causal = masks.document_causal_mod(doc)
+    pairs.append((masks.block_mask_from_dense(masks.dense_mask(causal, batch, seq, seq, torch.device("cpu")), causal),
+                  create_block_mask(causal, batch, None, seq, seq, device="cpu")))
+    for mine, ref in pairs:
+        assert mine.seq_lengths == ref.seq_lengths and tuple(mine.BLOCK_SIZE) == tuple(ref.BLOCK_SIZE)
+        for a, b in zip(mine.as_tuple()[2:10], ref.as_tuple()[2:10]):
+            assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+
+
+def test_flop_formulas_match_flop_counter() -> None:
+    """The analytic FLOPs per token (target forward, drafter forward + backward) equal torch's FlopCounterMode
+    on a small GQA model; attention through the math SDPA kernel, which computes every (query, key) pair, so
+    the formulas get the dense key counts here."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    torch.manual_seed(0)
+    b, s, vocab, dim, heads, kv, ffn, layers, k = 2, 32, 64, 64, 4, 2, 96, 2, 3
+    target = models.TargetLM(models.TargetConfig(vocab_size=vocab, dim=dim, layers=layers, heads=heads,
+                                                 kv_heads=kv, ffn=ffn, prior_strength=0))
+    tok = torch.randint(0, vocab, (b, s))
+    pos = torch.arange(s).expand(b, s)
+    doc = torch.zeros(b, s, dtype=torch.long)
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as fc:
+        target(tok, pos, masks.target_mask(doc))
+    shape = flops.Shape(vocab, dim, heads, kv, ffn, layers)
+    assert fc.get_total_flops() == flops.target_flops_per_token(shape, keys=s) * b * s
+    drafter = models.Drafter(models.DrafterConfig(vocab, dim, heads, ffn, k, kv), target.input_embedding(),
+                             target.output_embedding())
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as fc:
+        loss, _ = models.ttt_loss(drafter, torch.randn(b, s, 3 * dim), tok, pos, doc, torch.randn(b, s, vocab), tok,
+                                  masks.ttt_masks(doc, k))
+        loss.backward()
+    expected = flops.drafter_flops_per_token_keys(flops.Shape(vocab, dim, heads, kv, ffn),
+                                                  [s * (i + 1) for i in range(k)]) * b * s
+    assert fc.get_total_flops() == expected
+
+
+def test_llama_8b_shape_numbers() -> None:
+    """Sanity of the cuda-8b accounting: ~15 GFLOP per token forward for a Llama-3.1-8B-shaped target (2 x its
+    7.5B non-embedding weights plus the LM head), and a peak for the H200."""
+    shape = flops.Shape(128256, 4096, 32, 8, 14336, 32)
+    per_token = flops.target_flops_per_token(shape, keys=0)
+    assert 14.9e9 < per_token < 16.1e9
+    assert flops.peak_tflops("NVIDIA H200", bf16=True) == 989.4
+    assert flops.peak_tflops("Some future part", bf16=True) is None
+
+
+def test_markov_batches_are_pure_and_follow_the_chain() -> None:
+    data = data_mod.MarkovData(97, 3, 300, seed=5)
+    a, b = data.batch(7), data.batch(7)
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.doc, b.doc) and torch.equal(a.pos, b.pos)
+    assert not torch.equal(a.tokens, data.batch(8).tokens)
+    tok, doc, pos = a.tokens.numpy(), a.doc.numpy(), a.pos.numpy()
+    assert (tok[pos == 0] == data_mod.BOS).all() and (tok[pos > 0] > 0).all()
+    assert ((pos[:, 1:] == pos[:, :-1] + 1) | (pos[:, 1:] == 0)).all()
+    assert ((doc[:, 1:] != doc[:, :-1]) == (pos[:, 1:] == 0)).all()
+    for r in range(tok.shape[0]):
+        for t in range(1, tok.shape[1]):
+            if pos[r, t] >= 2:
+                assert tok[r, t] in data.succ[tok[r, t - 1]]
+    assert abs(float(data.transition_logprobs().exp().sum(1).mean()) - 1.0) < 1e-5

@@ -1,0 +1,106 @@
+"""The shape of the runtime package (docs/architecture.md), checked statically on its source.
+
+* no import circle between its modules, counting imports inside functions too (``from pkg import mod``
+  is an edge to ``pkg.mod``; a package's parent, which Python imports anyway, is not an edge);
+* no function longer than 120 lines;
+* no frame locals read for control flow: ``f_locals`` appears only where guards are evaluated on a
+  frame's arguments (``first_compile/_cache_probe.py``).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PKG = Path(__file__).resolve().parents[1] / "torch_threadsafe_compile"
+ROOT = "torch_threadsafe_compile"
+MAX_FUNCTION_LINES = 120
+F_LOCALS_ALLOWED = {"patches/first_compile/_cache_probe.py"}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in PKG.rglob("*.py"):
+        rel = path.relative_to(PKG.parent).with_suffix("")
+        parts = list(rel.parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+def _edges(name: str, path: Path, known: set[str]) -> set[str]:
+    tree = ast.parse(path.read_text())
+    is_pkg = path.name == "__init__.py"
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name in known)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative imports: resolve against this module's package
+                base = name.split(".") if is_pkg else name.split(".")[:-1]
+                base = base[: len(base) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            for alias in node.names:
+                sub = f"{target}.{alias.name}"
+                if sub in known:
+                    out.add(sub)
+                elif target in known:
+                    out.add(target)
+    out.discard(name)
+    return out
+
+
+def test_no_import_circle() -> None:
+    mods = _modules()
+    graph = {name: _edges(name, path, set(mods)) for name, path in mods.items()}
+    assert graph[ROOT], "the import scan found nothing: it proves nothing"
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                raise AssertionError("import circle: " + " -> ".join(stack[stack.index(nxt):] + [nxt]))
+            if nxt not in state:
+                visit(nxt)
+        stack.pop()
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
+
+
+def test_the_leaf_and_the_floors() -> None:
+    """_state imports nothing of ours; the bootstrap never imports the patches; patches never import each
+    other (shared torch knowledge lives in _torch)."""
+    mods = _modules()
+    graph = {name: _edges(name, path, set(mods)) for name, path in mods.items()}
+    assert graph[f"{ROOT}._state"] == set()
+    assert not {m for m in graph[f"{ROOT}._bootstrap"] if ".patches" in m}
+    for name, deps in graph.items():
+        if name.startswith(f"{ROOT}.patches."):
+            own = ".".join(name.split(".")[:3])  # the patch itself (a module or a package)
+            foreign = {d for d in deps if d.startswith(f"{ROOT}.patches.") and not d.startswith(own)}
+            assert not foreign, f"{name} imports other patches: {foreign}"
+
+
+def test_no_long_functions() -> None:
+    long = []
+    for path in PKG.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno is not None:
+                n = node.end_lineno - node.lineno + 1
+                if n > MAX_FUNCTION_LINES:
+                    long.append(f"{path.relative_to(PKG)}:{node.lineno} {node.name} ({n} lines)")
+    assert not long, long
+
+
+def test_no_frame_locals_for_control_flow() -> None:
+    uses = [str(p.relative_to(PKG)) for p in PKG.rglob("*.py") if "f_locals" in p.read_text()]
+    assert set(uses) <= F_LOCALS_ALLOWED, uses

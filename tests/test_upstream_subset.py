@@ -1,0 +1,86 @@
+"""Do no harm: upstream PyTorch tests that pass with ``TTC_DISABLE=1`` pass with the package active.
+
+A subset of ``bench/upstream_tests.py`` (docs/upstream-tests.md), sized for CI (about 3½ minutes of CPU
+time for both modes): the project's own upstream files under ``bench/pytorch_tests/test`` always, plus
+the small thread-related and FX files of ``../shared/pytorch-tests/test`` when that folder exists. Each
+file runs in a fresh interpreter per mode; the test fails on any test that fails only with the package
+active, and also when the comparison would prove nothing (the package not active in the active child,
+a file that did not run in a mode, no test passing).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "bench" / "upstream_tests.py"
+SHARED = REPO.parent / "shared" / "pytorch-tests" / "test"
+OWN_FILES = ["test_utils_config_module.py", "dynamo/test_recompiles.py"]
+# Thread-related upstream tests (fx traceback state, guard replacement racing a compiled call) and the
+# FX suite, which exercises what fx_tracing_flag and fx_patcher replace; each well under a minute.
+SHARED_FILES = ["fx/test_fx_traceback_tls.py", "dynamo/test_skip_guard_eval_unsafe.py", "test_fx.py"]
+TOTAL_TIMEOUT_S = 600  # hard stop for the whole comparison (about 3½ minutes of CPU time)
+FILE_TIMEOUT_S = 240
+
+
+def _run_script(args: list[str]) -> subprocess.CompletedProcess[str]:
+    """The comparison, bounded: past the deadline it gets SIGTERM, on which it kills the pytest child it is
+    running (that child is in a process group of its own, which a plain kill of the script would orphan)."""
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), *args], cwd=str(REPO), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=TOTAL_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        try:
+            out, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+        pytest.fail(f"the comparison took more than {TOTAL_TIMEOUT_S} s:\n{out}\n{err[-3000:]}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+@pytest.mark.slow
+def test_upstream_subset_active_matches_disabled(tmp_path: Path) -> None:
+    missing = [m for m in ("pytest_timeout", "expecttest") if importlib.util.find_spec(m) is None]
+    assert not missing, f"upstream tests need {missing}: pip install -e '.[test]'"
+
+    files = list(OWN_FILES)
+    args = ["--rerun", "0", "--timeout", str(FILE_TIMEOUT_S), "--json", str(tmp_path / "r.json")]
+    if SHARED.is_dir():
+        args += ["--tests-dir", str(SHARED)]
+        files += [f for f in SHARED_FILES if (SHARED / f).is_file()]
+    else:
+        args += ["--no-shared"]
+    for f in files:
+        args += ["--files", f]
+    p = _run_script(args)
+    report = p.stdout + "\n" + p.stderr[-3000:]
+    assert (tmp_path / "r.json").is_file(), f"no results (exit {p.returncode}):\n{report}"
+    data = json.loads((tmp_path / "r.json").read_text())
+
+    act, dis = data["probes"]["active"], data["probes"]["disabled"]
+    assert act.get("imported") and act.get("activation") not in (None, "disabled", "not activated") \
+        and not act.get("inactive_reason"), f"the package is not active in the active child: {act}"
+    assert "applied" not in (dis.get("patches") or {}).values(), f"patches applied with TTC_DISABLE=1: {dis}"
+
+    ran = {r["file"] for r in data["files"]}
+    assert ran == set(files), f"files run {sorted(ran)} != selected {sorted(files)}:\n{report}"
+    for r in data["files"]:
+        for mode, run in r["runs"].items():
+            assert not run["crashed"], f"{r['file']} [{mode}] did not run: {run['crashed']}"
+            passed = sum(1 for s in run["statuses"].values() if s == "passed")
+            assert passed > 0, f"{r['file']} [{mode}]: no test passed, the comparison proves nothing"
+
+    active_only = [
+        f"{nid}: {r['runs']['active']['messages'].get(nid, '')}" for r in data["files"] for nid in r["active_only"]
+    ]
+    assert not active_only, "tests failing only with the package active:\n" + "\n".join(active_only) + "\n\n" + report
+    assert p.returncode == 0, report

@@ -1,0 +1,864 @@
+"""Every hazard scenario, each run in its own interpreter and reporting one JSON line.
+
+Shared by the tests (``tests/test_hazards.py`` …), the benches and the compatibility matrix, so that all of
+them measure the same thing. The four scenarios that ``doctor --selftest`` needs ship in the wheel
+(``torch_threadsafe_compile/selftest.py``); this module registers the rest on top of them. Not installed:
+it is imported from the source tree (the repository root on ``sys.path``).
+
+    python -m ttc_testing.scenarios NAME [key=value ...]
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from typing import Any
+
+from torch_threadsafe_compile import selftest
+from torch_threadsafe_compile.selftest import SCENARIOS, _start_join, _uncompiled_frames, scenario
+
+MODULE = "ttc_testing.scenarios"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+__all__ = ["SCENARIOS", "run", "start_many", "collect_many"]
+
+
+def _maybe_late_install(late: bool) -> None:
+    """For ``late=1``: undo start-up activation now, and re-install after the caller compiled."""
+    if late:
+        import torch_threadsafe_compile as ttc
+
+        ttc.uninstall()
+
+
+@scenario
+def fx_flag_leak(compiles: int = 4, callers: int = 3, late: int = 0, backend: str = "aot_eager") -> dict[str, Any]:
+    """H1: callers hammer a warm compiled fn while one thread compiles new fns with backward."""
+    _maybe_late_install(bool(late))
+    import torch
+
+    hot = torch.compile(lambda x: (x * 2).sin(), backend=backend)
+    x0 = torch.randn(16)
+    hot(x0)
+    if late:
+        import torch_threadsafe_compile as ttc
+
+        ttc.install()  # `hot` was compiled before this call
+    errors: dict[str, int] = {}
+    calls = [0]
+    stop = threading.Event()
+
+    def caller() -> None:
+        while not stop.is_set():
+            try:
+                hot(x0)
+                calls[0] += 1
+            except Exception as e:
+                key = str(e)[:80]
+                errors[key] = errors.get(key, 0) + 1
+
+    def compiler() -> None:
+        try:
+            for j in range(compiles):
+                f = torch.compile(lambda x, j=j: (x + j).cos().sum(), backend=backend)
+                x = torch.randn(16, requires_grad=True)
+                f(x).backward()
+        finally:
+            stop.set()
+
+    ts = [threading.Thread(target=caller) for _ in range(callers)] + [threading.Thread(target=compiler)]
+    t0 = time.time()
+    _start_join(ts)
+    return {"ok_calls": calls[0], "errors": sum(errors.values()), "kinds": list(errors)[:3], "wall_s": round(time.time() - t0, 2)}
+
+
+@scenario
+def fx_patcher_leak(seconds: float = 2.0, tracers: int = 2) -> dict[str, Any]:
+    """H7 (FX patcher): ``tracers`` threads run fx.symbolic_trace in a loop while another thread runs the same
+    kind of module eagerly; errors and wrong results in either are counted."""
+    import torch
+    import torch.fx
+
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.relu(self.lin(x)) + 1
+
+    class M(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = torch.nn.Sequential(*[Block() for _ in range(4)])
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.blocks(x)
+
+    # Switch threads far more often than the default 5 ms, so that the eager thread runs while a trace has
+    # its patches in place in every run, not only in some.
+    sys.setswitchinterval(1e-5)
+    stop = threading.Event()
+    errors: dict[str, int] = {}
+    counts = {"traces": 0, "eager_calls": 0, "wrong": 0}
+    lock = threading.Lock()
+
+    def note(e: BaseException) -> None:
+        key = f"{type(e).__name__}: {str(e)[:60]}"
+        with lock:
+            errors[key] = errors.get(key, 0) + 1
+
+    def tracer() -> None:
+        m = M()
+        x = torch.randn(2, 8)
+        t_end = time.time() + seconds
+        try:
+            while time.time() < t_end:
+                try:
+                    gm = torch.fx.symbolic_trace(m)
+                    if not torch.allclose(gm(x), m(x)):
+                        counts["wrong"] += 1
+                    counts["traces"] += 1
+                except Exception as e:
+                    note(e)
+        finally:
+            stop.set()
+
+    def runner() -> None:
+        m = M()
+        x = torch.randn(2, 8)
+        with torch.no_grad():
+            ref = m(x)
+            while not stop.is_set():
+                try:
+                    if not torch.allclose(m(x), ref):
+                        counts["wrong"] += 1
+                    counts["eager_calls"] += 1
+                except Exception as e:
+                    note(e)
+
+    ts = [threading.Thread(target=tracer) for _ in range(tracers)] + [threading.Thread(target=runner)]
+    _start_join(ts)
+    return {**counts, "errors": sum(errors.values()), "kinds": list(errors)[:3]}
+
+
+@scenario
+def fx_same_thread(backend: str = "aot_eager") -> dict[str, Any]:
+    """H1 control: FX-tracing a module that calls a compiled fn must still raise, in the same thread;
+    plain symbolic_trace / make_fx / export must still work."""
+    import torch
+    import torch.fx
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    inner = torch.compile(lambda x: x + 1, backend=backend)
+
+    class M(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return inner(x) * 2
+
+    out: dict[str, Any] = {}
+    try:
+        torch.fx.symbolic_trace(M())
+        out["nested_raised"] = False
+    except RuntimeError as e:
+        out["nested_raised"] = "dynamo-optimized" in str(e)
+
+    class Plain(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.relu(x) + 1
+
+    x = torch.randn(4)
+    gm = torch.fx.symbolic_trace(Plain())
+    out["symbolic_trace_ok"] = bool(torch.equal(gm(x), Plain()(x)))
+    g = make_fx(lambda t: t.sin() * 2)(x)
+    out["make_fx_ok"] = bool(torch.allclose(g(x), x.sin() * 2))
+    try:
+        ep = torch.export.export(Plain(), (x,))
+        out["export_ok"] = bool(torch.equal(ep.module()(x), Plain()(x)))
+    except Exception as e:  # export availability differs by version; report it
+        out["export_ok"] = f"{type(e).__name__}: {str(e)[:60]}"
+    return out
+
+
+@scenario
+def module_stampede(threads: int = 8, how: str = "torch.compile", backend: str = "aot_eager") -> dict[str, Any]:
+    """H3 for modules: ``torch.compile(module)`` or ``module.compile()``, first call from ``threads`` at once."""
+    import torch
+    import torch._dynamo.utils as du
+
+    class M(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x).relu()
+
+    if how == "torch.compile":
+        m = torch.compile(M(), backend=backend)
+    else:
+        m = M()
+        m.compile(backend=backend)
+    bar = threading.Barrier(threads)
+    errors: list[str] = []
+
+    def w() -> None:
+        x = torch.randn(4, 8)
+        bar.wait()
+        try:
+            with torch.no_grad():
+                m(x)
+        except Exception as e:
+            errors.append(str(e)[:80])
+
+    ts = [threading.Thread(target=w) for _ in range(threads)]
+    _start_join(ts)
+    return {"threads": threads, "how": how, "graphs": int(du.counters["stats"]["unique_graphs"]),
+            "uncompiled_frames": _uncompiled_frames(), "errors": len(errors)}
+
+
+@scenario
+def guard_sets(threads: int = 6, backend: str = "aot_eager") -> dict[str, Any]:
+    """H3: threads needing two different guard sets (two dtypes) → one compile per guard set."""
+    import torch
+    import torch._dynamo.utils as du
+
+    f = torch.compile(lambda x: (x * 2).cos(), backend=backend)
+    bar = threading.Barrier(threads)
+    errors: list[str] = []
+
+    def w(i: int) -> None:
+        x = torch.randn(32, dtype=torch.float32 if i % 2 == 0 else torch.float64)
+        bar.wait()
+        try:
+            f(x)
+        except Exception as e:
+            errors.append(str(e)[:80])
+
+    ts = [threading.Thread(target=w, args=(i,)) for i in range(threads)]
+    _start_join(ts)
+    return {"threads": threads, "guard_sets": 2, "graphs": int(du.counters["stats"]["unique_graphs"]), "errors": len(errors)}
+
+
+@scenario
+def lookup_race(threads: int = 16, seconds: float = 6.0, graph_break: int = 0, closure: int = 0, backend: str = "aot_eager") -> dict[str, Any]:
+    """H3 (spurious cache misses): every guard set is compiled first, in one thread; then ``threads``
+    threads call the function with those same inputs. Any graph compiled after the warm-up is a cache
+    entry dynamo's lookup missed (it walks the entry list while other threads move entries to its front).
+    ``graph_break=1`` puts a graph break in the middle (the continuation is looked up too);
+    ``closure=1`` makes the continuation need a closure."""
+    import torch
+    import torch._dynamo.utils as du
+
+    scale = 3.0
+
+    def body(x: Any) -> Any:
+        y = x.sin() * 3
+        if graph_break:
+            torch._dynamo.graph_break()
+        return y.cos() + x * (scale if closure else 3.0)
+
+    f = torch.compile(body, backend=backend, dynamic=False)
+    inputs = [torch.randn(n, 16, dtype=dt) for dt in (torch.float32, torch.float64) for n in (4, 6)]
+    with torch.no_grad():
+        for x in inputs:
+            f(x)
+    warm = int(du.counters["stats"]["unique_graphs"])
+    errors: list[str] = []
+    wrong: list[int] = []
+    calls = [0] * threads
+    stop = time.monotonic() + seconds
+
+    def w(i: int) -> None:
+        k = i
+        with torch.no_grad():
+            while time.monotonic() < stop:
+                x = inputs[k % len(inputs)]
+                k += 1
+                try:
+                    if not torch.allclose(f(x), body(x)):
+                        wrong.append(k)
+                except Exception as e:
+                    errors.append(str(e)[:80])
+                calls[i] += 1
+
+    _start_join([threading.Thread(target=w, args=(i,)) for i in range(threads)])
+    return {
+        "graphs_after_warmup": warm,
+        "graphs_after_threads": int(du.counters["stats"]["unique_graphs"]),
+        "extra_graphs": int(du.counters["stats"]["unique_graphs"]) - warm,
+        "uncompiled_frames": _uncompiled_frames(),
+        "calls": sum(calls),
+        "errors": len(errors),
+        "wrong_results": len(wrong),
+    }
+
+
+@scenario
+def dynamic_flag_poll(seconds: float = 2.0) -> dict[str, Any]:
+    """H5: one thread calls a function compiled with ``dynamic=True``; another polls dynamo's
+    ``assume_static_by_default`` (True by default), which upstream (< 2.12) every such call flips process-wide."""
+    import torch
+    import torch._dynamo.config as config
+
+    f = torch.compile(lambda t: t * 2 + 1, backend="eager", dynamic=True)
+    x = torch.randn(8)
+    f(x)
+    default = config.assume_static_by_default
+    stop = time.monotonic() + seconds
+    seen = {"default": default, "polls": 0, "flipped": 0, "calls": 0}
+
+    def caller() -> None:
+        while time.monotonic() < stop:
+            f(x)
+            seen["calls"] += 1
+
+    def poller() -> None:
+        while time.monotonic() < stop:
+            seen["polls"] += 1
+            if config.assume_static_by_default != default:
+                seen["flipped"] += 1
+
+    _start_join([threading.Thread(target=caller), threading.Thread(target=poller)])
+    seen["after"] = config.assume_static_by_default
+    return seen
+
+
+@scenario
+def export_flag_poll(seconds: float = 3.0) -> dict[str, Any]:
+    """H7 (export flag): one thread runs torch.export in a loop; another polls torch.compiler.is_exporting()
+    and calls torch.compile(fn), which upstream returns ``fn`` itself (uncompiled) while any thread exports."""
+    import torch
+
+    class M(torch.nn.Module):
+        def forward(self, x: Any) -> Any:
+            return x.relu() + 1
+
+    m, x = M(), torch.randn(3, 8)
+    torch.export.export(m, (x,), strict=False)  # warm: imports and first-time registrations
+    stop = time.monotonic() + seconds
+    seen = {"polls": 0, "true": 0, "raw_returned": 0, "exports": 0}
+
+    def exporter() -> None:
+        while time.monotonic() < stop:
+            torch.export.export(m, (x,), strict=False)
+            seen["exports"] += 1
+
+    def poller() -> None:
+        fn = lambda t: t * 2  # noqa: E731
+        while time.monotonic() < stop:
+            seen["polls"] += 1
+            if torch.compiler.is_exporting():
+                seen["true"] += 1
+            if seen["polls"] % 50 == 0 and torch.compile(fn, backend="eager") is fn:
+                seen["raw_returned"] += 1
+
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _start_join([threading.Thread(target=exporter), threading.Thread(target=poller)])
+    return seen
+
+
+@scenario
+def export_vs_compile(seconds: float = 8.0, compilers: int = 3) -> dict[str, Any]:
+    """H7 (export overrides): one thread runs torch.export in a loop while ``compilers`` threads compile new
+    functions; export's process-wide operator overrides make those compiles fail upstream."""
+    import torch
+
+    class M(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+
+        def forward(self, x: Any) -> Any:
+            return torch.relu(self.lin(x)) + 1
+
+    m = M()
+    torch.export.export(m, (torch.randn(3, 8),), strict=False)
+    torch.compile(lambda t: t + 1, backend="aot_eager")(torch.randn(2))
+    stop = time.monotonic() + seconds
+    out = {"exports": 0, "compiles": 0, "compile_errors": 0, "export_errors": 0, "first_error": ""}
+
+    def exporter() -> None:
+        while time.monotonic() < stop:
+            try:
+                torch.export.export(m, (torch.randn(3, 8),), strict=False)
+                out["exports"] += 1
+            except Exception as e:
+                out["export_errors"] += 1
+                out["first_error"] = out["first_error"] or f"export: {type(e).__name__}: {str(e)[:120]}"
+
+    def compiler(i: int) -> None:
+        k = 0
+        while time.monotonic() < stop:
+            k += 1
+
+            def body(x: Any, k: int = k) -> Any:
+                return (x * k).sin() + x.cos()
+
+            body.__code__ = body.__code__.replace(co_name=f"exp_{i}_{k}")
+            try:
+                torch.compile(body, backend="aot_eager")(torch.randn(4, 8))
+                out["compiles"] += 1
+            except Exception as e:
+                out["compile_errors"] += 1
+                out["first_error"] = out["first_error"] or f"compile: {type(e).__name__}: {str(e)[:120]}"
+
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _start_join([threading.Thread(target=exporter)] + [threading.Thread(target=compiler, args=(i,)) for i in range(compilers)])
+    return out
+
+
+@scenario
+def drafter_flex(drafters: int = 3, targets: int = 2, steps: int = 4, seq: int = 1024, target_mode: str = "default") -> dict[str, Any]:
+    """H4 (CUDA): drafter threads train with compiled flex_attention (fwd+bwd, block-sparse causal
+    document mask) while target threads run a compiled MLP forward. Run with a cold inductor cache
+    (TORCHINDUCTOR_CACHE_DIR pointing at an empty directory) and a timeout: unpatched it can hang.
+    ``target_mode``: the targets' ``torch.compile`` mode (``reduce-overhead``: CUDA graph trees, H7)."""
+    import collections
+
+    import torch
+    import torch._dynamo.utils as du
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    if not torch.cuda.is_available():
+        return {"skipped": "needs CUDA (flex_attention backward is not implemented on CPU)"}
+    d = "cuda"
+    errs: collections.Counter[str] = collections.Counter()
+    done: collections.Counter[str] = collections.Counter()
+    flex = torch.compile(flex_attention)
+    B, H, S, D = 2, 8, seq, 64
+
+    def doc_causal(b: Any, h: Any, q: Any, kv: Any) -> Any:
+        return (q >= kv) & (q // 256 == kv // 256)
+
+    bm = create_block_mask(doc_causal, B, H, S, S, device=d)
+
+    def randn(*shape: int, **kw: Any) -> Any:
+        # With CUDA graphs (reduce-overhead) in some thread, no other thread may draw from the device's
+        # CUDA generator while a graph is recorded: its capture state is device-wide (docs/hazards.md, H7).
+        if target_mode == "default":
+            return torch.randn(*shape, device=d, **kw)
+        return torch.randn(*shape, **kw).to(d)
+    target = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.GELU(), torch.nn.Linear(4096, 1024)).to(d)
+    target_c = torch.compile(target, mode=None if target_mode == "default" else target_mode)
+
+    def drafter(i: int) -> None:
+        w = randn(D, D, dtype=torch.bfloat16).requires_grad_()
+        for _ in range(steps):
+            try:
+                q, k, v = (randn(B, H, S, D, dtype=torch.bfloat16) @ w for _ in range(3))
+                flex(q, k, v, block_mask=bm).float().sum().backward()
+                done["drafter_steps"] += 1
+            except Exception as e:
+                errs[type(e).__name__ + ": " + str(e)[:70]] += 1
+
+    def tgt(i: int) -> None:
+        for _ in range(steps * 4):
+            try:
+                with torch.no_grad():
+                    target_c(randn(64, 1024))
+                done["target_steps"] += 1
+            except Exception as e:
+                errs[type(e).__name__ + ": " + str(e)[:70]] += 1
+
+    ts = [threading.Thread(target=drafter, args=(i,)) for i in range(drafters)]
+    ts += [threading.Thread(target=tgt, args=(i,)) for i in range(targets)]
+    t0 = time.time()
+    _start_join(ts)
+    return {
+        "done": dict(done),
+        "errors": sum(errs.values()),
+        "kinds": list(errs)[:3],
+        "graphs": int(du.counters["stats"]["unique_graphs"]),
+        "uncompiled_frames": _uncompiled_frames(),
+        "wall_s": round(time.time() - t0, 1),
+    }
+
+
+@scenario
+def failing_neighbour(seconds: float = 8.0, targets: int = 4, fail_s: float = 1.0, backend: str = "aot_eager") -> dict[str, Any]:
+    """H3 flights vs a neighbour whose compiles keep failing: one thread compiles a function whose backend
+    holds ``compile_lock`` for ``fail_s`` and then raises, again and again; ``targets`` threads call a warm
+    compiled function (whose callee dynamo compiles as a frame of its own), and each compiles one new shape
+    of it along the way. Upstream, warm calls never wait for anything; the package must not make them wait
+    for a compile stuck behind the failing one."""
+    import torch
+
+    def failing(gm: Any, ex: Any) -> Any:
+        time.sleep(fail_s)
+        raise RuntimeError("the neighbour's compile fails")
+
+    bad = torch.compile(lambda x: x.cos() * 3, backend=failing)
+
+    def inner(y: Any) -> Any:  # compiled as a frame of its own: called from code dynamo does not trace
+        return y.sin()
+
+    @torch.compiler.disable(recursive=False)
+    def helper(y: Any) -> Any:
+        return inner(y)
+
+    def outer(x: Any) -> Any:
+        return helper(x * 2) + 1
+
+    good = torch.compile(outer, backend=backend, dynamic=False)
+    good(torch.randn(16))  # warm
+    stop = threading.Event()
+    counts = {"target_calls": 0, "neighbour_failures": 0, "errors": 0, "wrong": 0}
+    max_gap = [0.0]
+
+    def neighbour() -> None:
+        while not stop.is_set():
+            try:
+                bad(torch.randn(8))
+            except Exception:
+                counts["neighbour_failures"] += 1
+
+    def target(i: int) -> None:
+        x, new = torch.randn(16), torch.randn(24 + 8 * i)
+        t_new = time.time() + 1.0 + 0.5 * i  # one new shape each, staggered
+        last = time.time()
+        while not stop.is_set():
+            arg = new if t_new and time.time() > t_new else x
+            if arg is new:
+                t_new = 0.0
+            try:
+                if not torch.allclose(good(arg), (arg * 2).sin() + 1):
+                    counts["wrong"] += 1
+                counts["target_calls"] += 1
+            except Exception:
+                counts["errors"] += 1
+            now = time.time()
+            if arg is x:  # a warm call: how long did the slowest take
+                max_gap[0] = max(max_gap[0], now - last)
+            last = now
+
+    ts = [threading.Thread(target=neighbour)] + [threading.Thread(target=target, args=(i,)) for i in range(targets)]
+    for t in ts:
+        t.start()
+    time.sleep(seconds)
+    stop.set()
+    for t in ts:
+        t.join()
+    return dict(counts, max_warm_call_s=round(max_gap[0], 3), seconds=seconds)
+
+
+@scenario
+def reset_under_load(seconds: float = 10.0, threads: int = 6, reset_every: float = 2.0, backend: str = "aot_eager") -> dict[str, Any]:
+    """``torch._dynamo.reset()`` every ``reset_every`` s while ``threads`` threads call compiled functions (a
+    module, a dynamic-batch function, a graph break) and another thread changes ``cache_size_limit`` by
+    assignment and inside ``config.patch``. Every output is compared with eager. Upstream, the process can
+    die: the reset frees cache entries that other threads' lookups are walking."""
+    import torch
+    import torch._dynamo
+
+    name = "recompile_limit" if "recompile_limit" in torch._dynamo.config._config else "cache_size_limit"
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(16, 16)
+    mod = torch.compile(lin, backend=backend)
+    dyn = torch.compile(lambda x: (x * 2).tanh().sum(0), backend=backend, dynamic=True)
+
+    def gb(x: Any) -> Any:
+        y = x.cos()
+        torch._dynamo.graph_break()
+        return y + 1
+
+    brk = torch.compile(gb, backend=backend)
+    work = [(lambda b: mod(torch.randn(4, 16)), lambda x: lin(x)), (dyn, lambda x: (x * 2).tanh().sum(0)), (brk, lambda x: x.cos() + 1)]
+    stop = threading.Event()
+    counts = {"calls": 0, "errors": 0, "wrong": 0, "resets": 0, "config_changes": 0}
+    first_error: list[str] = []
+
+    def caller(i: int) -> None:
+        k = 0
+        while not stop.is_set():
+            fn, ref = work[(i + k) % len(work)]
+            x = torch.randn(4 + (k % 3), 16)
+            k += 1
+            try:
+                with torch.no_grad():
+                    if fn is work[0][0]:
+                        out, want = mod(x), lin(x)
+                    else:
+                        out, want = fn(x), ref(x)
+                if not torch.allclose(out, want, atol=1e-5):
+                    counts["wrong"] += 1
+                counts["calls"] += 1
+            except Exception as e:
+                counts["errors"] += 1
+                first_error[:] = first_error or [f"{type(e).__name__}: {str(e)[:160]}"]
+
+    def resetter() -> None:
+        while not stop.wait(reset_every):
+            torch._dynamo.reset()
+            counts["resets"] += 1
+
+    def configurer() -> None:
+        k = 0
+        while not stop.wait(0.05):
+            k += 1
+            if k % 2:
+                setattr(torch._dynamo.config, name, 8 + k % 3)
+            else:
+                with torch._dynamo.config.patch(**{name: 16}):
+                    time.sleep(0.02)
+            counts["config_changes"] += 1
+
+    ts = [threading.Thread(target=caller, args=(i,)) for i in range(threads)]
+    ts += [threading.Thread(target=resetter), threading.Thread(target=configurer)]
+    for t in ts:
+        t.start()
+    time.sleep(seconds)
+    stop.set()
+    for t in ts:
+        t.join()
+    return dict(counts, first_error=first_error[0] if first_error else "")
+
+
+@scenario
+def first_import(threads: int = 16) -> dict[str, Any]:
+    """H7 (imports): ``threads`` threads make the first ``torch.compile`` / ``torch.export.export`` calls of a
+    fresh interpreter at once (half compile and call a function, half export a module). Upstream they enter
+    dynamo's import cycles at different modules: ``_DeadlockError`` and partially-initialized-module errors."""
+    import torch
+
+    class M(torch.nn.Module):
+        def forward(self, x: Any) -> Any:
+            return x.relu() + 1
+
+    errors: list[str] = []
+    bar = threading.Barrier(threads)
+
+    def work(i: int) -> None:
+        bar.wait()
+        try:
+            if i % 2:
+                torch.compile(lambda x: x + i, backend="aot_eager")(torch.randn(4))
+            else:
+                torch.export.export(M(), (torch.randn(4),))
+        except BaseException as e:  # noqa: BLE001 - the import errors are the point
+            errors.append(f"{type(e).__name__}: {str(e)[:100]}")
+
+    _start_join([threading.Thread(target=work, args=(i,)) for i in range(threads)])
+    import_errors = [e for e in errors if e.startswith(("ImportError", "_DeadlockError", "ModuleNotFoundError"))
+                     or "partially initialized module" in e]
+    return {"threads": threads, "errors": len(errors), "import_errors": len(import_errors),
+            "kinds": sorted(set(e.split(":")[0] for e in errors)), "first_error": (import_errors or errors or [""])[0]}
+
+
+@scenario
+def config_patch_isolation(seconds: float = 2.0) -> dict[str, Any]:
+    """H6 (torch >= 2.12): thread A reads ``recompile_limit`` inside ``config.patch(recompile_limit=16)`` while
+    the main thread assigns it over and over; after A's patch ends, A must follow the main thread's value.
+    Also: the alias ``cache_size_limit`` assigned in the main thread, read by a new thread; a child thread's
+    assignment must not change the main thread's ``get_hash()`` (upstream's per-thread isolation)."""
+    import torch
+    import torch._dynamo
+
+    cfg = torch._dynamo.config
+    name = "recompile_limit" if "recompile_limit" in cfg._config else "cache_size_limit"
+    inside = threading.Event()
+    stop = threading.Event()
+    out: dict[str, Any] = {"reads": 0, "foreign_reads": 0}
+
+    def patched() -> None:
+        with cfg.patch(**{name: 16}):
+            inside.set()
+            while not stop.is_set():
+                out["reads"] += 1
+                if getattr(cfg, name) != 16:
+                    out["foreign_reads"] += 1
+        out["after_patch_sees"] = getattr(cfg, name)
+
+    t = threading.Thread(target=patched)
+    t.start()
+    inside.wait(10)
+    t_end = time.time() + seconds
+    k = 0
+    while time.time() < t_end:
+        k += 1
+        setattr(cfg, name, 64 + k % 2)
+    setattr(cfg, name, 64)
+    stop.set()
+    t.join()
+    out["main_value"] = getattr(cfg, name)
+    box: list[Any] = []
+    if "cache_size_limit" in cfg._config and name != "cache_size_limit":
+        cfg.cache_size_limit = 40
+        th = threading.Thread(target=lambda: box.append(getattr(cfg, name)))
+        th.start()
+        th.join()
+    out["alias_seen_by_new_thread"] = box[0] if box else None
+    before = cfg.get_hash()
+    th = threading.Thread(target=lambda: setattr(cfg, "capture_scalar_outputs", not cfg.capture_scalar_outputs))
+    th.start()
+    th.join()
+    out["main_hash_unchanged_by_child"] = cfg.get_hash() == before
+    return out
+
+
+@scenario
+def guard_race(seconds: float = 2.0, min_calls: int = 20) -> dict[str, Any]:
+    """H3 (crash), upstream's pytorch/pytorch#118260 reproducer: two threads call a function compiled with
+    ``dynamic=False`` with a new shape each time, so one compiles while the other runs compiled code. On
+    torch's CUDA builds on a machine without a GPU the process can die (``bench/cuda_guard_crash.py``)."""
+    import torch
+    import torch._dynamo  # before the threads: they race on compiles, not on first imports
+
+    f = torch.compile(lambda x: x.sin() + 1, dynamic=False, backend="aot_eager")
+    calls = [0, 0]
+    errors: dict[str, int] = {}
+    t0 = time.monotonic()
+
+    def run(offset: int) -> None:
+        i = 0
+        while i < min_calls or time.monotonic() - t0 < seconds:
+            try:
+                f(torch.randn(i * 2 + offset))
+                calls[offset] += 1
+            except Exception as e:  # counted: the question is whether the process survives
+                key = f"{type(e).__name__}: {str(e)[:80]}"
+                errors[key] = errors.get(key, 0) + 1
+            i += 1
+
+    _start_join([threading.Thread(target=run, args=(k,)) for k in (0, 1)])
+    return {"calls": sum(calls), "errors": sum(errors.values()), "kinds": list(errors)[:3],
+            "graphs": int(torch._dynamo.utils.counters["stats"]["unique_graphs"])}
+
+
+@scenario
+def server_first_request(workers: int = 8, backend: str = "inductor") -> dict[str, Any]:
+    """An inference server: ``workers`` threads, each with its own copy of a model in ``eval()`` mode (its
+    parameters still require grad; no ``torch.no_grad()``), compiled with ``torch.compile(model)``; every
+    worker answers its first request at once. Reports when the last first answer came (compile included)."""
+    import copy
+
+    import torch
+
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64)).eval()
+    models = [torch.compile(copy.deepcopy(base), backend=backend) for _ in range(workers)]
+    x = torch.randn(8, 64)
+    want = base(x)
+    bar = threading.Barrier(workers)
+    done: list[float] = []
+    wrong = [0]
+
+    def worker(i: int) -> None:
+        bar.wait()
+        y = models[i](x)
+        done.append(time.perf_counter())
+        if not torch.allclose(y, want, atol=1e-4):
+            wrong[0] += 1
+
+    t0 = time.perf_counter()
+    _start_join([threading.Thread(target=worker, args=(i,)) for i in range(workers)])
+    return {"first_answers_s": round(max(done) - t0, 3), "wrong": wrong[0],
+            "graphs": int(__import__("torch")._dynamo.utils.counters["stats"]["unique_graphs"])}
+
+
+@scenario
+def trace_beside_compiles(seconds: float = 10.0, compilers: int = 2) -> dict[str, Any]:
+    """How many ``fx.symbolic_trace`` calls and ``torch.export.export`` calls complete in ``seconds`` while
+    ``compilers`` threads compile new functions back to back (each compile holds dynamo's compile lock)."""
+    import torch
+    import torch.fx
+
+    class M(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+
+        def forward(self, x: Any) -> Any:
+            return self.lin(x).relu() + 1
+
+    stop = threading.Event()
+    counts = {"traces": 0, "exports": 0, "compiles": 0, "errors": 0}
+
+    def compiler(i: int) -> None:
+        j = 0
+        while not stop.is_set():
+            j += 1
+            try:
+                torch.compile(lambda x, j=j: (x * j).sin() + i, backend="aot_eager")(torch.randn(8, requires_grad=True)).sum().backward()
+                counts["compiles"] += 1
+            except Exception:
+                counts["errors"] += 1
+
+    def tracer() -> None:
+        while not stop.is_set():
+            try:
+                torch.fx.symbolic_trace(M())
+                counts["traces"] += 1
+            except Exception:
+                counts["errors"] += 1
+
+    def exporter() -> None:
+        while not stop.is_set():
+            try:
+                torch.export.export(M(), (torch.randn(2, 8),))
+                counts["exports"] += 1
+            except Exception:
+                counts["errors"] += 1
+
+    torch.export.export(M(), (torch.randn(2, 8),))  # first imports outside the measurement
+    torch.compile(lambda x: x + 1, backend="aot_eager")(torch.randn(2))
+    ts = [threading.Thread(target=compiler, args=(i,)) for i in range(compilers)]
+    ts += [threading.Thread(target=tracer), threading.Thread(target=exporter)]
+    for t in ts:
+        t.start()
+    time.sleep(seconds)
+    stop.set()
+    for t in ts:
+        t.join()
+    return dict(counts, seconds=seconds)
+
+
+@scenario
+def aot_compile_main() -> dict[str, Any]:
+    """``torch.compile(f, fullgraph=True).aot_compile(...)`` in the main thread (it refuses to work when
+    compile caches are force-disabled)."""
+    import torch
+
+    def f(x: Any) -> Any:
+        return x.sin() + 1
+
+    x = torch.randn(8)
+    compiled = torch.compile(f, fullgraph=True)
+    if not hasattr(compiled, "aot_compile"):
+        return {"available": False}
+    try:
+        fn = compiled.aot_compile(((x,), {}))
+        return {"available": True, "ok": bool(torch.allclose(fn(x), f(x))), "error": ""}
+    except Exception as e:
+        return {"available": True, "ok": False, "error": f"{type(e).__name__}: {str(e)[:160]}"}
+
+
+def _env(env: dict[str, str] | None) -> dict[str, str]:
+    """The repository root goes on the child's ``PYTHONPATH`` so that ``-m ttc_testing.scenarios`` resolves."""
+    out = dict(env or {})
+    base = out.get("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
+    out["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, base) if p)
+    return out
+
+
+def run(name: str, env: dict[str, str] | None = None, timeout: float = 300, **kwargs: Any) -> dict[str, Any]:
+    """Run scenario ``name`` in a fresh interpreter; returns its JSON result (or rc/tail/timeout)."""
+    return selftest.run(name, env=_env(env), timeout=timeout, module=MODULE, **kwargs)
+
+
+def start_many(plan: list[tuple[str, dict[str, Any]]], env: dict[str, str] | None = None) -> Any:
+    return selftest.start_many(plan, env=_env(env), module=MODULE)
+
+
+collect_many = selftest.collect_many
+
+
+if __name__ == "__main__":
+    sys.exit(selftest._main(sys.argv[1:], module=MODULE))
