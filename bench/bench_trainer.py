@@ -1,13 +1,19 @@
 #!/usr/bin/env python
-"""Run the reference trainer (examples/specdec/train.py) with and without torch_threadsafe_compile and write a
-markdown comparison table.
+"""Benchmark the reference trainer (examples/specdec/train.py).
 
-Each run is a subprocess with a timeout; "without" uses the trainer's ``--no-ttc`` (re-exec with TTC_DISABLE=1),
-which also makes errors from compiled calls counted instead of fatal. A run killed by the timeout, or stopped by
-the trainer's own hang watchdog (exit 3), is reported as hung.
+Two comparisons, each run as subprocesses with a timeout (a run killed by it, or stopped by the trainer's own hang
+watchdog, exit 3, is reported as hung):
 
-    python bench/bench_trainer.py --preset cpu-tiny --steps 40 --md bench-trainer.md
-    python bench/bench_trainer.py --preset cuda-small --extra "--steps 300"
+* ``--compare layouts`` (default): the threaded layout (target threads feeding drafter threads) against the
+  sequential baseline (one thread per device: target forward, then drafter step; SpecForge / EAGLE-3 style), back
+  to back, same preset, model, data, batch, steps and compile settings. For each ``--threads T+D`` the threaded run
+  is compared with the sequential run that trains on the same D batches per step. Prints steady drafter tokens/s
+  (compile and warm-up steps excluded), time to first step, MFU, GPU utilisation and peak memory.
+* ``--compare ttc``: the threaded layout with and without torch_threadsafe_compile (``--no-ttc``).
+
+    python bench/bench_trainer.py --preset cuda-small --steps 120
+    python bench/bench_trainer.py --preset multi-gpu --steps 60 --threads 1+1,3+2,5+3 --md bench.md --json bench.json
+    python bench/bench_trainer.py --preset cuda-small --compare ttc --steps 150
 """
 from __future__ import annotations
 
@@ -15,118 +21,315 @@ import argparse
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ROOT / "examples" / "specdec" / "train.py"
 
 
-def run_one(label: str, args: List[str], env: Dict[str, str], out: Path, timeout: float) -> Dict[str, object]:
+def run_one(label: str, args: List[str], env: Dict[str, str], out: Path, timeout: float) -> Dict[str, Any]:
+    """One trainer run in its own process group (a timeout kills compile workers and samplers too); stdout and
+    stderr are kept next to its outputs."""
+    out.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, str(TRAIN), *args, "--out", str(out)]
     print(f"[bench] {label}: {' '.join(shlex.quote(c) for c in cmd)}", file=sys.stderr, flush=True)
     t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_child_setup)
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        stdout, stderr = proc.communicate(timeout=timeout)
         rc: Optional[int] = proc.returncode
-        stdout, stderr = proc.stdout, proc.stderr
-    except subprocess.TimeoutExpired as e:
-        rc, stdout, stderr = None, (e.stdout or b"").decode(errors="replace"), (e.stderr or b"").decode(errors="replace")
+    except subprocess.TimeoutExpired:
+        _kill_group(proc)
+        stdout, stderr = proc.communicate()
+        rc = None
+    except BaseException:  # Ctrl-C or SIGTERM of the benchmark: take the run (and its compile workers) down too
+        _kill_group(proc)
+        raise
     wall = time.monotonic() - t0
-    summary: Dict[str, object] = {}
-    lines = [ln for ln in stdout.splitlines() if ln.startswith("SUMMARY ")]
-    if lines:
-        summary = json.loads(lines[-1][8:])
-    elif (out / "summary.json").exists():
-        summary = json.loads((out / "summary.json").read_text())
-    if rc not in (0, None) and not lines:
-        print(f"[bench] {label} failed (rc={rc}); stderr tail:\n{stderr[-2000:]}", file=sys.stderr)
-    return {"label": label, "rc": rc, "wall": wall, "summary": summary, "stderr_tail": stderr[-600:]}
+    (out / "stdout.log").write_text(stdout)
+    (out / "stderr.log").write_text(stderr)
+    summary: Dict[str, Any] = {}
+    if (out / "summary.json").exists():
+        try:
+            summary = json.loads((out / "summary.json").read_text())
+        except ValueError:
+            pass
+    if not summary:
+        lines = [ln for ln in stdout.splitlines() if ln.startswith("SUMMARY ")]
+        summary = json.loads(lines[-1][8:]) if lines else {}
+    if rc != 0:
+        tail = "\n".join(stderr.strip().splitlines()[-15:])
+        print(f"[bench] {label} ended with rc={rc} after {wall:.0f} s; stderr tail:\n{tail}", file=sys.stderr)
+    else:
+        print(f"[bench] {label}: ok in {wall:.0f} s", file=sys.stderr, flush=True)
+    errors = [ln for ln in stderr.splitlines() if ln.startswith("train.py: error:")]
+    return {"label": label, "cmd": cmd, "rc": rc, "wall": wall, "summary": summary,
+            "stderr_tail": stderr[-1500:], "out": str(out),
+            "error_line": errors[-1][len("train.py: error: "):] if errors else None}
+
+
+def _child_setup() -> None:
+    """In the child, before exec: its own process group (a timeout kills the compile workers too), and SIGKILL
+    when the benchmark process dies (Linux), so no run outlives it."""
+    os.setsid()
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def fmt(x: object, nd: int = 1) -> str:
     if x is None or x == "":
         return "–"
     if isinstance(x, float):
-        return f"{x:.{nd}f}"
+        return f"{x:,.{nd}f}"
+    if isinstance(x, int):
+        return f"{x:,}"
     return str(x)
 
 
-def table(results: List[Dict[str, object]]) -> str:
+def status_of(r: Dict[str, Any]) -> str:
+    s = r["summary"] or {}
+    if r["rc"] is None:
+        return "timeout"
+    if r["rc"] == 3 or s.get("hung"):
+        return "hung"
+    status = s.get("status", f"rc {r['rc']}")
+    if r.get("error_line"):
+        status += f": {r['error_line'][:120]}"
+    return status
+
+
+def steady(r: Dict[str, Any], kind: str = "drafter") -> Optional[float]:
+    tp = ((r["summary"] or {}).get("throughput") or {}).get(kind) or {}
+    return tp.get("steady_tokens_per_s")
+
+
+def table(results: List[Dict[str, Any]]) -> str:
+    """With / without TTC table (also used by bench/scaling.py)."""
     head = ["run", "status", "exit", "hung?", "wall s", "first step s (target / drafter)",
-            "tokens/s target", "tokens/s drafter", "unique graphs", "recompiles", "errors",
-            "peak GPU MiB", "τ start → end", "TTC active"]
+            "tokens/s target", "tokens/s drafter", "steady drafter tokens/s", "unique graphs", "recompiles",
+            "errors", "peak GPU MiB", "τ start → end", "TTC active"]
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results:
         s: Dict = r["summary"] or {}
         tp = s.get("throughput", {}) or {}
-        tgt, dra = tp.get("target", {}), tp.get("drafter", {})
+        tgt, dra = tp.get("target", {}) or {}, tp.get("drafter", {}) or {}
         comp = s.get("compile", {}) or {}
         errs = s.get("errors", {}) or {}
         peak = s.get("peak_gpu_mem_bytes")
-        ttc = s.get("ttc", {}) or {}
+        ttc = s.get("ttc", {})
+        importable = ttc.get("importable") if isinstance(ttc, dict) else ttc == "active"
         active = "no (TTC_DISABLE=1)" if s.get("ttc_disable_env") == "1" else (
-            "yes" if ttc.get("importable") else "package not importable")
-        hung = r["rc"] is None or r["rc"] == 3 or s.get("hung")
+            "yes" if importable else "package not importable")
+        hung = status_of(r) in ("timeout", "hung")
         rows.append("| " + " | ".join([
-            r["label"], fmt(s.get("status", "timeout" if r["rc"] is None else "no summary")), fmt(r["rc"]),
-            "YES" if hung else "no", fmt(r["wall"]),
+            r["label"], status_of(r), fmt(r["rc"]), "YES" if hung else "no", fmt(r["wall"]),
             f"{fmt(tgt.get('time_to_first_step_s'))} / {fmt(dra.get('time_to_first_step_s'))}",
-            fmt(tgt.get("tokens_per_s")), fmt(dra.get("tokens_per_s")), fmt(comp.get("unique_graphs")),
-            fmt(comp.get("recompiles")), fmt(errs.get("total")), fmt(peak / 2**20 if peak else None),
+            fmt(tgt.get("tokens_per_s")), fmt(dra.get("tokens_per_s")), fmt(dra.get("steady_tokens_per_s")),
+            fmt(comp.get("unique_graphs")), fmt(comp.get("recompiles")), fmt(errs.get("total")),
+            fmt(peak / 2**20 if peak else None),
             f"{fmt(s.get('tau_initial'), 2)} → {fmt(s.get('tau_final'), 2)}", active,
         ]) + " |")
     return "\n".join(rows)
+
+
+def layout_table(results: List[Dict[str, Any]]) -> str:
+    head = ["run", "status", "steady tokens/s drafter (target)", "vs sequential", "first step s (target / drafter)",
+            "wall s", "MFU target / drafter (steady share)", "MFU in interval target / drafter", "GPU util %",
+            "peak GPU MiB", "τ start → end", "unique graphs", "errors", "compile cache"]
+    rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in results:
+        s: Dict = r["summary"] or {}
+        tp = s.get("throughput", {}) or {}
+        mfu = s.get("mfu", {}) or {}
+        phases = mfu.get("phases", {}) or {}
+        peak = s.get("peak_gpu_mem_bytes") or ((s.get("peak_gpu_mem_mib") or 0) * 2**20) or None
+        share = lambda k: (mfu.get(k) or {}).get("mfu") if isinstance(mfu.get(k), dict) else mfu.get(k)  # noqa: E731
+        pct = lambda x: f"{100 * x:.1f} %" if isinstance(x, (int, float)) else "–"  # noqa: E731
+        rows.append("| " + " | ".join([
+            r["label"], status_of(r),
+            f"{fmt(steady(r))} ({fmt(steady(r, 'target'))})", r.get("ratio", "–"),
+            f"{fmt((tp.get('target') or {}).get('time_to_first_step_s'))} / "
+            f"{fmt((tp.get('drafter') or {}).get('time_to_first_step_s'))}",
+            fmt(r["wall"]), f"{pct(share('target'))} / {pct(share('drafter'))}",
+            f"{pct((phases.get('target') or {}).get('mfu_in_interval'))} / "
+            f"{pct((phases.get('drafter') or {}).get('mfu_in_interval'))}",
+            fmt(s.get("gpu_util_pct")), fmt(peak / 2**20 if peak else None),
+            f"{fmt(s.get('tau_initial'), 2)} → {fmt(s.get('tau_final'), 2)}",
+            fmt((s.get("compile") or {}).get("unique_graphs")), fmt((s.get("errors") or {}).get("total")),
+            r.get("cache", "–"),
+        ]) + " |")
+    return "\n".join(rows)
+
+
+def parse_threads(spec: str) -> List[Tuple[int, int]]:
+    out = []
+    for part in spec.split(","):
+        t, _, d = part.strip().partition("+")
+        if not (t.isdigit() and d.isdigit()) or int(t) < 1 or int(d) < 1:
+            raise SystemExit(f"bench_trainer.py: error: --threads {spec!r}: expected T+D pairs like 3+2,5+3")
+        out.append((int(t), int(d)))
+    return out
+
+
+class Budget:
+    """Wall-clock budget over all runs: each run gets min(its timeout, what is left); runs that cannot get
+    ``min_s`` are skipped and reported as such."""
+
+    def __init__(self, seconds: Optional[float]) -> None:
+        self.deadline = time.monotonic() + seconds if seconds else None
+
+    def grant(self, timeout: float, min_s: float = 30.0) -> Optional[float]:
+        if self.deadline is None:
+            return timeout
+        left = self.deadline - time.monotonic()
+        return min(timeout, left) if left >= min_s else None
+
+
+def skipped(label: str) -> Dict[str, Any]:
+    return {"label": label, "cmd": [], "rc": "skipped", "wall": 0.0, "summary": {"status": "skipped (budget)"},
+            "stderr_tail": "", "out": None}
+
+
+def compare_layouts(preset: str, pairs: List[Tuple[int, int]], base: List[str], env: Dict[str, str], work: Path,
+                    timeout: float, budget: Budget, cache: str, tag: str = "", sequential_first: bool = True,
+                    layouts: Tuple[str, ...] = ("sequential", "threaded")) -> List[Dict[str, Any]]:
+    """For every T+D: threaded(T, D), and sequential(D) once per distinct D (before or after the threaded runs);
+    ratio = steady drafter tokens/s of threaded / sequential with the same D."""
+    plan: List[Tuple[str, List[str], int]] = []
+    seq_plan = [(f"sequential ×{d}", ["--layout", "sequential", "--drafter-threads", str(d)], d)
+                for d in dict.fromkeys(d for _, d in pairs)] if "sequential" in layouts else []
+    thr_plan = [(f"threaded {t}+{d}", ["--layout", "threaded", "--target-threads", str(t), "--drafter-threads",
+                                       str(d)], d) for t, d in pairs] if "threaded" in layouts else []
+    if sequential_first:
+        # Interleave: each sequential run right before the first threaded run with its D.
+        for item in thr_plan:
+            plan += [sp for sp in seq_plan if sp[2] == item[2] and sp not in plan] + [item]
+        plan += [sp for sp in seq_plan if sp not in plan]
+    else:
+        plan = thr_plan + seq_plan
+    results: List[Dict[str, Any]] = []
+    runs_done = 0
+    for label, extra, d in plan:
+        grant = budget.grant(timeout)
+        full = f"{tag}{label}"
+        if grant is None:
+            results.append(skipped(full))
+            continue
+        run_env = dict(env)
+        slug = full.replace(": ", "-").replace(" ", "_").replace("×", "x").replace("+", "-")
+        if cache == "fresh":
+            run_env["TORCHINDUCTOR_CACHE_DIR"] = str(work / f"{slug}-inductor-cache")
+            run_env["TRITON_CACHE_DIR"] = str(work / f"{slug}-triton-cache")
+        elif cache == "shared":
+            run_env["TORCHINDUCTOR_CACHE_DIR"] = str(work / "inductor-cache")
+            run_env["TRITON_CACHE_DIR"] = str(work / "triton-cache")
+        r = run_one(full, base + extra, run_env, work / slug, grant)
+        r["cache"] = {"fresh": "cold", "user": "as given", "shared": "cold" if runs_done == 0 else "warm"}[cache]
+        r["layout"], r["batches_per_step"] = label.split()[0], d
+        runs_done += 1
+        results.append(r)
+    sequential = {r["batches_per_step"]: r for r in results if r.get("layout") == "sequential"}
+    for r in results:
+        if r.get("layout") == "threaded":
+            seq = sequential.get(r["batches_per_step"])
+            a, b = steady(r), (steady(seq) if seq else None)
+            r["ratio"] = f"{a / b:.2f}× (vs sequential ×{r['batches_per_step']})" if a and b else "–"
+            r["ratio_value"] = a / b if a and b else None
+    return results
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="cpu-tiny", help="trainer preset")
     p.add_argument("--steps", type=int, help="override the preset's step count")
+    p.add_argument("--measure-after", type=int, help="steps excluded from steady tokens/s (trainer default: 1/5)")
+    p.add_argument("--compare", choices=["layouts", "ttc"], default="layouts")
+    p.add_argument("--threads", help="layouts: T+D pairs for the threaded runs, e.g. 1+1,3+2,5+3 (default: the "
+                                     "preset's)")
     p.add_argument("--extra", default="", help="more trainer flags, one quoted string")
     p.add_argument("--timeout", type=float, default=1800, help="per-run wall limit (s): exceeding it = hung")
+    p.add_argument("--budget", type=float, help="wall limit over all runs (s); runs that do not fit are skipped")
     p.add_argument("--hang-timeout", type=float, default=600, help="passed to the trainer's watchdog")
-    p.add_argument("--pythonpath", help="prepended to PYTHONPATH for both runs (e.g. an uninstalled checkout)")
-    p.add_argument("--only", choices=["with", "without"], help="run one side only")
-    p.add_argument("--warm", action="store_true",
-                   help="share the user's inductor/triton caches (default: a fresh cache per run, so both sides "
-                        "pay cold compiles and time to first step is comparable)")
-    p.add_argument("--md", help="also write the markdown table to this file")
+    p.add_argument("--pythonpath", help="prepended to PYTHONPATH for every run (e.g. an uninstalled checkout)")
+    p.add_argument("--only", choices=["with", "without"], help="ttc: run one side only")
+    p.add_argument("--cache", choices=["fresh", "shared", "user"], default="fresh",
+                   help="inductor/Triton caches: fresh per run (default: every run compiles cold, so times to "
+                        "first step compare), shared by the runs of this invocation (first run cold), or the "
+                        "user's")
+    p.add_argument("--warm", action="store_true", help="same as --cache user")
+    p.add_argument("--md", help="also write the markdown to this file")
+    p.add_argument("--json", help="also write every run's summary to this file")
     p.add_argument("--work-dir", help="keep run outputs here (default: a temporary directory)")
     a = p.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds through run_one, which kills the run
+    cache = "user" if a.warm else a.cache
 
-    base = ["--preset", a.preset, "--hang-timeout", str(a.hang_timeout), *shlex.split(a.extra)]
+    base = ["--preset", a.preset, "--hang-timeout", str(a.hang_timeout), "--eval-every", "0", "--no-checkpoint",
+            *shlex.split(a.extra)]
     if a.steps:
         base += ["--steps", str(a.steps)]
+    if a.measure_after is not None:
+        base += ["--measure-after", str(a.measure_after)]
     env = {k: v for k, v in os.environ.items() if k != "TTC_DISABLE"}
     if a.pythonpath:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [a.pythonpath, env.get("PYTHONPATH")]))
     work = Path(a.work_dir or tempfile.mkdtemp(prefix="bench-trainer-"))
-    runs = [("with TTC", base), ("without TTC (--no-ttc)", base + ["--no-ttc"])]
-    if a.only:
-        runs = [runs[0]] if a.only == "with" else [runs[1]]
-    results = []
-    for i, (label, args) in enumerate(runs):
-        run_env = dict(env)
-        if not a.warm:
-            run_env["TORCHINDUCTOR_CACHE_DIR"] = str(work / f"run{i}-inductor-cache")
-            run_env["TRITON_CACHE_DIR"] = str(work / f"run{i}-triton-cache")
-        results.append(run_one(label, args, run_env, work / f"run{i}", a.timeout))
-    md = (f"### Trainer benchmark: preset `{a.preset}`{' ' + a.extra if a.extra else ''}"
-          f"{f', {a.steps} steps' if a.steps else ''}, {'warm' if a.warm else 'cold'} compile caches\n\n"
-          + table(results) + "\n")
-    first = [r["summary"].get("errors", {}).get("counted") for r in results if r["summary"]]
-    if any(first):
-        md += "\nCounted errors:\n" + "".join(f"- {r['label']}: `{json.dumps(r['summary']['errors']['counted'])[:400]}`\n"
-                                            for r in results if r["summary"] and r["summary"]["errors"]["counted"])
+    work.mkdir(parents=True, exist_ok=True)
+    budget = Budget(a.budget)
+    title = (f"### Trainer benchmark: preset `{a.preset}`{' ' + a.extra if a.extra else ''}"
+             f"{f', {a.steps} steps' if a.steps else ''}, compile caches: {cache}\n\n")
+    if a.compare == "layouts":
+        sys.path.insert(0, str(ROOT / "examples"))
+        from specdec.cli import PRESETS
+
+        preset = PRESETS.get(a.preset, {})
+        pairs = parse_threads(a.threads or f"{preset.get('target_threads', 1)}+{preset.get('drafter_threads', 1)}")
+        results = compare_layouts(a.preset, pairs, base, env, work, a.timeout, budget, cache)
+        md = title + layout_table(results) + "\n"
+    else:
+        runs = [("with TTC", base), ("without TTC (--no-ttc)", base + ["--no-ttc"])]
+        if a.only:
+            runs = [runs[0]] if a.only == "with" else [runs[1]]
+        results = []
+        for i, (label, args) in enumerate(runs):
+            grant = budget.grant(a.timeout)
+            if grant is None:
+                results.append(skipped(label))
+                continue
+            run_env = dict(env)
+            if cache != "user":
+                run_env["TORCHINDUCTOR_CACHE_DIR"] = str(work / f"run{i}-inductor-cache")
+                run_env["TRITON_CACHE_DIR"] = str(work / f"run{i}-triton-cache")
+            results.append(run_one(label, args, run_env, work / f"run{i}", grant))
+        md = title + table(results) + "\n"
+        counted = [r for r in results if (r["summary"].get("errors") or {}).get("counted")]
+        if counted:
+            md += "\nCounted errors:\n" + "".join(
+                f"- {r['label']}: `{json.dumps(r['summary']['errors']['counted'])[:400]}`\n" for r in counted)
     print(md)
     if a.md:
         Path(a.md).write_text(md)
-    return 0 if all(r["rc"] == 0 for r in results) else 1
+    if a.json:
+        Path(a.json).write_text(json.dumps(results, indent=2, default=str))
+    return 0 if all(r["rc"] in (0, "skipped") for r in results) else 1
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ def one(disabled: bool, timeout: float, out_dir: str | None, tag: str) -> dict:
         env["TTC_WATCHDOG"] = str(max(10, timeout / 3))
     cmd = [sys.executable, "-X", "faulthandler", "-c",
            "import faulthandler, sys, json; faulthandler.dump_traceback_later(%r, exit=True); "
-           "from torch_threadsafe_compile.scenarios import drafter_flex; r = drafter_flex(); "
+           "from ttc_testing.scenarios import drafter_flex; r = drafter_flex(); "
            "faulthandler.cancel_dump_traceback_later(); print('RESULT ' + json.dumps(r), flush=True)" % (timeout,)]
     t0 = time.time()
     try:

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Long-mode concurrency soak: many threads x many compiled functions, active vs ``TTC_DISABLE=1``.
 
-The workload, checks and counters live in ``tests/soak/harness.py`` (shared with the CI short mode in
+The workload, checks and counters live in ``ttc_testing/soak.py`` (shared with the CI short mode in
 ``tests/soak/test_soak.py``); this script only runs it and formats the results. Each run is a subprocess
 with its own deadline, so a hang is reported, never waited on.
 
@@ -22,7 +22,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.soak import harness  # noqa: E402
+from ttc_testing import soak as harness  # noqa: E402
 
 DOC = ROOT / "docs" / "reliability.md"
 BEGIN = "<!-- soak-table:begin -->"

@@ -1,0 +1,154 @@
+"""What is measured: one row per hazard scenario of ``ttc_testing/scenarios.py``.
+
+Each row names the hazard, the scenario and its arguments, the patch that addresses it, and how to read the
+scenario's JSON result: ``bad`` (does the result show the hazard?), ``show`` (the number in the cell),
+``needs`` (keys a result must have to be read at all) and, optionally, ``control`` (given the unpatched and
+the active result, what the package broke, or None). A ``control`` row (``is_control``) is the other way
+round: the behaviour must be *kept* when active.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+Result = Dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Row:
+    key: str
+    hazard: str
+    title: str
+    scenario: str
+    kwargs: Dict[str, Any]
+    patch: Optional[str]
+    bad: Callable[[Result], bool]
+    show: Callable[[Result], str]
+    needs: Tuple[str, ...]
+    control: Optional[Callable[[Result, Result], Optional[str]]] = None
+    is_control: bool = field(default=False)
+
+    @property
+    def invocation(self) -> str:
+        """The scenario as run: ``python -m ttc_testing.scenarios <invocation>``."""
+        return " ".join([self.scenario] + [f"{k}={v}" for k, v in self.kwargs.items()])
+
+    @property
+    def args(self) -> List[str]:
+        return [self.scenario] + [f"{k}={v}" for k, v in self.kwargs.items()]
+
+
+def _n(x: Any) -> str:
+    return f"{x:,}" if isinstance(x, int) and not isinstance(x, bool) else str(x)
+
+
+def _same_thread_bad(r: Result) -> bool:
+    # export may be unavailable on old versions (a string): only a False counts as broken.
+    return not (r.get("nested_raised") is True and r.get("symbolic_trace_ok") is True and r.get("make_fx_ok") is True
+                and r.get("export_ok") is not False)
+
+
+def _same_thread_show(r: Result) -> str:
+    broken = [k for k in ("nested_raised", "symbolic_trace_ok", "make_fx_ok", "export_ok") if r.get(k) is False]
+    text = "ok" if not broken else "broken: " + ", ".join(f"{k}=False" for k in broken)
+    if isinstance(r.get("export_ok"), str):
+        text += " (export n/a)"
+    return text
+
+
+def _stampede_bad(r: Result) -> bool:
+    return r["graphs"] > 2 or r["uncompiled_frames"] > 0 or r["errors"] > 0 or r["wrong_results"] > 0
+
+
+def _stampede_show(r: Result) -> str:
+    s = f"{_n(r['graphs'])} graphs"
+    if r["uncompiled_frames"]:
+        s += f", {_n(r['uncompiled_frames'])} eager"
+    if r["errors"]:
+        s += f", {_n(r['errors'])} errors"
+    if r["wrong_results"]:
+        s += f", {_n(r['wrong_results'])} wrong"
+    return s
+
+
+def _config_bad(r: Result) -> bool:
+    return r["new_thread_sees"] != 64 or r["backward_compile_sees"] != 64
+
+
+def _config_show(r: Result) -> str:
+    return f"{r['new_thread_sees']}/{r['backward_compile_sees']}"
+
+
+def _compiling_bad(r: Result) -> bool:
+    return r["true_in_eager_thread"] > 0
+
+
+def _compiling_show(r: Result) -> str:
+    return f"{_n(r['true_in_eager_thread'])} true polls"
+
+
+def _compiling_control(u: Result, a: Result) -> Optional[str]:
+    # Before 2.13 is_compiling() is False inside a backend (only dynamo-traced code sees True): compare, not demand.
+    if u["compiling_thread_saw_true"] and not a["compiling_thread_saw_true"]:
+        return "the compiling thread's backend no longer sees is_compiling() == True"
+    return None
+
+
+def _errors_show(r: Result) -> str:
+    return f"{_n(r['errors'])} errors"
+
+
+def _guard_sets_show(r: Result) -> str:
+    return f"{_n(r['graphs'])} graphs" + (f", {_n(r['errors'])} errors" if r["errors"] else "")
+
+
+def _lookup_race_bad(r: Result) -> bool:
+    return r["extra_graphs"] > 0 or r["uncompiled_frames"] > 0 or r["errors"] > 0
+
+
+def _lookup_race_show(r: Result) -> str:
+    return f"{_n(r['extra_graphs'])} extra graphs, {_n(r['uncompiled_frames'])} eager"
+
+
+def _export_flag_show(r: Result) -> str:
+    return f"{_n(r['true'])} true polls, {_n(r['raw_returned'])} raw fns"
+
+
+def _export_errors_show(r: Result) -> str:
+    return f"{_n(r['compile_errors'] + r['export_errors'])} errors"
+
+
+ROWS: List[Row] = [
+    Row("fx_flag_leak", "H1", "FX tracing flag leaks to other threads", "fx_flag_leak", {}, "fx_tracing_flag",
+        lambda r: r["errors"] > 0, _errors_show, ("errors",)),
+    Row("fx_flag_leak_late", "H1", "same, package installed after the fn was compiled", "fx_flag_leak", {"late": 1},
+        "fx_tracing_flag", lambda r: r["errors"] > 0, _errors_show, ("errors",)),
+    Row("fx_same_thread", "H1", "control: same-thread nested-trace error kept, FX/make_fx/export work",
+        "fx_same_thread", {}, "fx_tracing_flag", _same_thread_bad, _same_thread_show, ("nested_raised",),
+        is_control=True),
+    Row("is_compiling_leak", "H2", "is_compiling() True in an eager thread", "is_compiling_leak", {"seconds": 2},
+        "compile_session_flag", _compiling_bad, _compiling_show, ("true_in_eager_thread", "compiling_thread_saw_true"),
+        _compiling_control),
+    Row("config_threads", "H6", "main thread sets recompile_limit=64: value seen by a new thread / a backward compile",
+        "config_threads", {}, "config_overrides", _config_bad, _config_show,
+        ("new_thread_sees", "backward_compile_sees")),
+    Row("stampede", "H3", "first-call stampede: one compile per thread (2 shapes, expect 2 graphs)", "stampede",
+        {"threads": 8}, "first_compile", _stampede_bad, _stampede_show,
+        ("graphs", "uncompiled_frames", "errors", "wrong_results")),
+    Row("guard_sets", "H3", "two guard sets from 6 threads (expect 2 graphs)", "guard_sets", {}, "first_compile",
+        lambda r: r["graphs"] > 2 or r["errors"] > 0, _guard_sets_show, ("graphs", "errors")),
+    Row("lookup_race", "H3", "spurious cache misses: graphs compiled after every guard set was (graph break, 16 threads)",
+        "lookup_race", {"graph_break": 1, "seconds": 5}, "first_compile", _lookup_race_bad, _lookup_race_show,
+        ("extra_graphs", "uncompiled_frames", "errors")),
+    Row("dynamic_flag_poll", "H5", "dynamic=True calls flip assume_static_by_default for other threads",
+        "dynamic_flag_poll", {"seconds": 2}, "dynamic_flags", lambda r: r["flipped"] > 0,
+        lambda r: f"{_n(r['flipped'])} flipped polls", ("flipped",)),
+    Row("export_flag_poll", "H7", "is_exporting() True in other threads while one exports", "export_flag_poll",
+        {"seconds": 3}, "export_flag", lambda r: r["true"] > 0 or r["raw_returned"] > 0, _export_flag_show,
+        ("true", "raw_returned")),
+    Row("export_vs_compile", "H7", "compiles in 3 threads while one exports (errors)", "export_vs_compile",
+        {"seconds": 6}, "export_lock", lambda r: r["compile_errors"] + r["export_errors"] > 0, _export_errors_show,
+        ("compile_errors", "export_errors")),
+]
+ROW_KEYS = [r.key for r in ROWS]

@@ -1,0 +1,610 @@
+#!/usr/bin/env python
+"""PyTorch's own test files, run with the package active and with ``TTC_DISABLE=1``, compared test by test.
+
+The project's promise is that outside what a threading hazard needs, torch behaves as upstream ships it:
+a test that passes with ``TTC_DISABLE=1`` must pass with the package active. This script is the evidence.
+
+    python bench/upstream_tests.py                                # every test file, both modes
+    python bench/upstream_tests.py --tests-dir PATH/TO/pytorch/test
+    python bench/upstream_tests.py --files 'dynamo/*' --files test_utils_config_module.py
+    python bench/upstream_tests.py --list                         # which files would run
+    python bench/upstream_tests.py --md docs/upstream-tests.md --json results.json   # table into the doc
+
+Test roots (each one a ``test/`` folder laid out as in ``pytorch/pytorch``, with an optional
+``../baseline-disabled.txt`` of tests known to fail with ``TTC_DISABLE=1``):
+
+* ``--tests-dir`` (repeatable), default ``../shared/pytorch-tests/test`` relative to the repository root
+  when that folder exists;
+* the project's own additions, ``bench/pytorch_tests/test`` (``--no-own`` leaves them out).
+
+A *test file* is a ``test_*.py`` that no other file of its root imports: ``test_fx.py`` imports the test
+classes of ``fx/test_*.py`` and collects them itself, so those run once, as part of it.
+
+Each file runs in its own ``python -m pytest`` subprocess, from its test root (helper modules such as
+``fx.*``, ``_repros_*``, ``utils``, ``testing`` resolve from there), once per mode, the order of the two
+modes alternating from file to file so that drift of the machine (load from other processes, warm caches)
+hits both alike. Results come from pytest's JUnit XML. Children get the caller's environment without any
+``TTC_*`` variable, then ``TTC_DISABLE=1`` (disabled) or ``TTC_DISABLE=0`` (active), and without
+``PYTHONDONTWRITEBYTECODE`` (bytecode caching on, as users run, with ``PYTHONPYCACHEPREFIX`` pointing
+outside the test folders, which stay untouched). Before the files run, one child per mode
+reports whether the package is active there, so an "active" column can never silently be an unpatched run.
+
+An *active-only failure* is a test that failed or errored with the package active and did not with
+``TTC_DISABLE=1`` (a whole file that crashed or timed out only when active counts too). Active-only
+failures are re-run one by one, alone in a fresh interpreter, both modes (``--rerun N`` per file, default
+8), to tell failures of the test itself from failures that need the rest of its file (state leaking from
+earlier tests). Exit status: 0 when there is no active-only failure, 1 when there is one, 2 when the
+comparison could not be made (no test file, the package not active in the active child, or in effect in
+the disabled one).
+
+Standard library only, so the script runs under any Python >= 3.9 (``--python`` picks the interpreter
+that runs the tests; it needs torch, pytest, pytest-timeout and expecttest).
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import fnmatch
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Iterable, Optional
+
+ROOT = Path(__file__).resolve().parents[1]
+OWN_TESTS = ROOT / "bench" / "pytorch_tests" / "test"
+SHARED_TESTS = ROOT.parent / "shared" / "pytorch-tests" / "test"
+MODES = ("active", "disabled")
+FAILED = ("failed", "error")
+# Worst status wins when pytest reports one node id more than once (subtests, a teardown error).
+_RANK = {"skipped": 0, "passed": 1, "failed": 2, "error": 3}
+_TAGS = {"failure": "failed", "error": "error", "skipped": "skipped"}  # JUnit child element -> status
+# Code run in each mode before the test files: is the package active, and in which state are its patches?
+_PROBE = r"""
+import json, sys
+import torch
+for name in ("torch._dynamo", "torch.export", "torch.fx"):
+    try:
+        __import__(name)
+    except Exception:
+        pass
+mod = sys.modules.get("torch_threadsafe_compile")
+info = {"torch": torch.__version__, "imported": mod is not None}
+if mod is not None:
+    try:
+        st = mod.status()
+        info["activation"] = st.get("activation")
+        info["inactive_reason"] = st.get("inactive_reason")
+        info["patches"] = {p.get("id"): p.get("state") for p in st.get("patches", [])}
+    except Exception as e:
+        info["status_error"] = repr(e)
+print("TTC-PROBE " + json.dumps(info))
+"""
+
+
+@dataclass
+class TestFile:
+    root: Path
+    rel: str  # path relative to its root, "/"-separated, e.g. "dynamo/test_misc.py"
+    suite: str  # "own" for the project's additions, else the root's folder name chain
+
+    @property
+    def key(self) -> str:
+        return f"{self.suite}:{self.rel}"
+
+
+@dataclass
+class Run:
+    mode: str
+    rc: Optional[int]
+    wall_s: float
+    timed_out: bool = False
+    crashed: str = ""  # why there are no per-test results (no XML, pytest usage/internal error, ...)
+    statuses: dict[str, str] = field(default_factory=dict)  # node id -> passed/failed/error/skipped
+    messages: dict[str, str] = field(default_factory=dict)  # node id -> first line of its error
+
+    def count(self, *states: str) -> int:
+        return sum(1 for s in self.statuses.values() if s in states)
+
+
+@dataclass
+class FileResult:
+    file: str
+    suite: str
+    runs: dict[str, Run]
+    active_only: list[str] = field(default_factory=list)
+    disabled_only: list[str] = field(default_factory=list)
+    rerun: dict[str, dict[str, str]] = field(default_factory=dict)  # node id -> mode -> status when run alone
+    baseline_unexpected: list[str] = field(default_factory=list)  # disabled failures not in baseline list
+    baseline_passing: list[str] = field(default_factory=list)  # baseline-listed tests that passed disabled
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Discovery
+
+
+def _imported_modules(path: Path) -> set[str]:
+    """Dotted names this file imports (``from fx import test_x`` yields ``fx`` and ``fx.test_x``)."""
+    try:
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    except (SyntaxError, UnicodeDecodeError, OSError):
+        return set()
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module)
+            names.update(f"{node.module}.{a.name}" for a in node.names)
+    return names
+
+
+def discover(root: Path, suite: str) -> list[TestFile]:
+    candidates = sorted(p for p in root.rglob("test_*.py") if "__pycache__" not in p.parts)
+    imported: set[str] = set()
+    for p in root.rglob("*.py"):
+        imported |= _imported_modules(p)
+    files = []
+    for p in candidates:
+        rel = p.relative_to(root).as_posix()
+        if rel[:-3].replace("/", ".") not in imported:
+            files.append(TestFile(root, rel, suite))
+    return files
+
+
+def read_baseline(root: Path) -> set[str]:
+    path = root.parent / "baseline-disabled.txt"
+    if not path.is_file():
+        return set()
+    lines = (line.strip() for line in path.read_text(encoding="utf-8").splitlines())
+    return {line for line in lines if line and not line.startswith("#")}
+
+
+def select(files: list[TestFile], include: list[str], exclude: list[str]) -> list[TestFile]:
+    def hit(f: TestFile, patterns: list[str]) -> bool:
+        return any(fnmatch.fnmatch(f.rel, pat) or fnmatch.fnmatch(f.key, pat) for pat in patterns)
+
+    out = [f for f in files if not include or hit(f, include)]
+    return [f for f in out if not hit(f, exclude)]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Running
+
+
+# Where children keep their bytecode caches (PYTHONPYCACHEPREFIX): test folders are often read-only copies
+# that must stay as laid (permission bits do not stop root), so neither Python nor pytest's assertion
+# rewriting may write __pycache__ next to them. Persistent, so that only the first child of the first run
+# compiles torch's sources into it.
+PYCACHE_PREFIX: Optional[str] = str(Path(tempfile.gettempdir()) / "ttc-upstream-pycache")
+
+
+def child_env(mode: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TTC_")}
+    # Bytecode caching on, as users run (an environment that forbids .pyc files would make every child
+    # compile torch's and our sources on import, a cost neither mode has in practice).
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    if PYCACHE_PREFIX:
+        env["PYTHONPYCACHEPREFIX"] = PYCACHE_PREFIX
+    env["TTC_DISABLE"] = "1" if mode == "disabled" else "0"
+    return env
+
+
+def _run(cmd: list[str], cwd: Path, env: dict[str, str], timeout: float) -> tuple[Optional[int], str, float, bool]:
+    """Run ``cmd`` in its own process group; on timeout kill the whole group (inductor's compile workers
+    included) so nothing of a hung file outlives it."""
+    t0 = time.monotonic()
+    with tempfile.TemporaryFile(mode="w+", encoding="utf-8", errors="replace") as out:
+        proc = subprocess.Popen(cmd, cwd=str(cwd), env=env, stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+        timed_out = False
+        try:
+            rc: Optional[int] = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            _kill_group(proc)
+            rc = proc.wait()
+        except BaseException:  # Ctrl-C, SIGTERM (see main): the child's group must not outlive us
+            _kill_group(proc)
+            proc.wait()
+            raise
+        wall = time.monotonic() - t0
+        out.seek(0)
+        text = out.read()
+    return rc, text, wall, timed_out
+
+
+def _kill_group(proc: "subprocess.Popen[str]") -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def probe(python: str, cwd: Path, mode: str, timeout: float) -> dict:
+    rc, text, _, timed_out = _run([python, "-c", _PROBE], cwd, child_env(mode), timeout)
+    for line in text.splitlines():
+        if line.startswith("TTC-PROBE "):
+            info = json.loads(line[len("TTC-PROBE "):])
+            info["warnings"] = [x for x in text.splitlines() if "torch-threadsafe-compile" in x][:3]
+            return info
+    return {"error": f"probe failed (rc={rc}, timed out={timed_out}): {_tail(text)}"}
+
+
+def is_active(info: dict) -> bool:
+    """The package is active in that child (it may be imported and report itself disabled: that is not)."""
+    return bool(info.get("imported")) and info.get("activation") not in (None, "disabled", "not activated") \
+        and not info.get("inactive_reason") and not info.get("error")
+
+
+def is_disabled(info: dict) -> bool:
+    """Nothing of the package is in effect in that child: not imported, or imported and reporting itself
+    disabled with no patch applied."""
+    if info.get("error"):
+        return False
+    if not info.get("imported"):
+        return True
+    return info.get("activation") == "disabled" and "applied" not in (info.get("patches") or {}).values()
+
+
+def _tail(text: str, n: int = 3) -> str:
+    lines = [x for x in text.strip().splitlines() if x.strip()]
+    return " | ".join(lines[-n:])[-400:]
+
+
+def _first_line(text: str) -> str:
+    """The error's first line; a short generic one ("AssertionError: Scalars are not equal!") gets the
+    line after it, which says what differed."""
+    lines = []
+    for x in (text or "").splitlines():
+        if x.strip().startswith("To execute this test"):  # torch's TestCase appends how to re-run it
+            break
+        if x.strip():
+            lines.append(x.strip())
+    if not lines:
+        return ""
+    first = lines[0]
+    if len(first) < 60 and len(lines) > 1:
+        first = f"{first} {lines[1]}"
+    return first[:300]
+
+
+def _node_id(rel: str, classname: str, name: str) -> str:
+    mod = rel[:-3].replace("/", ".")
+    if classname == mod:
+        return f"{rel}::{name}"
+    if classname.startswith(mod + "."):
+        return f"{rel}::{classname[len(mod) + 1:].replace('.', '::')}::{name}"
+    return f"{rel}::{classname.replace('.', '::')}::{name}"  # a class pytest attributes to another module
+
+
+def parse_junit(path: Path, rel: str) -> tuple[dict[str, str], dict[str, str]]:
+    statuses: dict[str, str] = {}
+    messages: dict[str, str] = {}
+    for case in ET.parse(path).getroot().iter("testcase"):
+        nid = _node_id(rel, case.get("classname", ""), case.get("name", ""))
+        found = {_TAGS[c.tag]: c for c in case if c.tag in _TAGS}
+        status = next((s for s in ("error", "failed", "skipped") if s in found), "passed")
+        message = _first_line(found[status].get("message") or found[status].text or "") if status in found else ""
+        if nid not in statuses or _RANK[status] > _RANK[statuses[nid]]:
+            statuses[nid] = status
+            if status in FAILED:
+                messages[nid] = message
+    return statuses, messages
+
+
+def pytest_cmd(python: str, targets: list[str], xml: Path, test_timeout: float) -> list[str]:
+    # -c os.devnull: no configuration file applies, wherever the test root lies (inside this repository,
+    # pyproject.toml would otherwise add its pythonpath/addopts to upstream's tests); --rootdir keeps node
+    # ids relative to the test root, as in baseline-disabled.txt.
+    return [python, "-m", "pytest", *targets, "-c", os.devnull, "--rootdir", ".", "-p", "no:cacheprovider",
+            "--timeout", str(int(test_timeout)), "-q", "-rfE", f"--junitxml={xml}"]
+
+
+def run_file(python: str, f: TestFile, mode: str, tmp: Path, file_timeout: float, test_timeout: float,
+             targets: Optional[list[str]] = None, log_dir: Optional[Path] = None) -> Run:
+    xml = tmp / f"{f.key.replace('/', '_').replace(':', '_')}.{mode}.{time.monotonic_ns()}.xml"
+    cmd = pytest_cmd(python, targets or [f.rel], xml, test_timeout)
+    rc, text, wall, timed_out = _run(cmd, f.root, child_env(mode), file_timeout)
+    if log_dir is not None:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        suffix = ("." + re.sub(r"[^\w.-]+", "_", targets[0].split("::", 1)[-1])[:80]) if targets else ""
+        (log_dir / f"{f.key.replace('/', '_').replace(':', '_')}.{mode}{suffix}.log").write_text(text, encoding="utf-8")
+    run = Run(mode=mode, rc=rc, wall_s=wall, timed_out=timed_out)
+    if timed_out:
+        run.crashed = f"timed out after {file_timeout:.0f} s"
+    elif rc not in (0, 1) or not xml.is_file():
+        run.crashed = f"pytest exit status {rc}: {_tail(text)}"
+    if xml.is_file():
+        try:
+            run.statuses, run.messages = parse_junit(xml, f.rel)
+        except ET.ParseError as e:
+            run.crashed = run.crashed or f"unreadable JUnit XML: {e}"
+    return run
+
+
+def compare(f: TestFile, runs: dict[str, Run], baseline: set[str]) -> FileResult:
+    act, dis = runs["active"], runs["disabled"]
+    res = FileResult(file=f.rel, suite=f.suite, runs=runs)
+    for nid, s in act.statuses.items():
+        d = dis.statuses.get(nid)
+        if s in FAILED and d not in FAILED and not (d is None and dis.crashed):
+            res.active_only.append(nid)
+    for nid, d in dis.statuses.items():
+        if d in FAILED and act.statuses.get(nid) not in FAILED and not (nid not in act.statuses and act.crashed):
+            res.disabled_only.append(nid)
+    if act.crashed and not dis.crashed:
+        res.active_only.append(f"{f.rel} (whole file: {act.crashed})")
+    if dis.crashed and not act.crashed:
+        res.disabled_only.append(f"{f.rel} (whole file: {dis.crashed})")
+    mine = {b for b in baseline if b.split("::", 1)[0] == f.rel}
+    failed_dis = {nid for nid, d in dis.statuses.items() if d in FAILED}
+    res.baseline_unexpected = sorted(failed_dis - mine)
+    res.baseline_passing = sorted(nid for nid in mine if dis.statuses.get(nid) == "passed")
+    return res
+
+
+def log(msg: str) -> None:
+    print(f"[upstream {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def run_all(files: list[TestFile], python: str, file_timeout: float, test_timeout: float, rerun: int,
+            log_dir: Optional[Path]) -> tuple[list[FileResult], dict[str, dict]]:
+    baselines = {root: read_baseline(root) for root in {f.root for f in files}}
+    probes = {mode: probe(python, files[0].root, mode, min(file_timeout, 300)) for mode in MODES}
+    results: list[FileResult] = []
+    with tempfile.TemporaryDirectory(prefix="ttc-upstream-") as tmpdir:
+        tmp = Path(tmpdir)
+        for i, f in enumerate(files):
+            order = MODES if i % 2 == 0 else MODES[::-1]
+            runs: dict[str, Run] = {}
+            for mode in order:
+                log(f"{f.key} [{mode}] ...")
+                runs[mode] = r = run_file(python, f, mode, tmp, file_timeout, test_timeout, log_dir=log_dir)
+                log(f"{f.key} [{mode}] {r.count('passed')} passed, {r.count(*FAILED)} failed, "
+                    f"{r.count('skipped')} skipped, {r.wall_s:.1f} s{' — ' + r.crashed if r.crashed else ''}")
+            res = compare(f, runs, baselines[f.root])
+            # Each failure alone, in a fresh interpreter per mode: a test that passes alone failed through
+            # state left by earlier tests of its file (a leak across tests), not by itself.
+            for nid in [nid for nid in res.active_only if "::" in nid][:rerun]:
+                for mode in order:
+                    alone = run_file(python, f, mode, tmp, file_timeout, test_timeout, targets=[nid], log_dir=log_dir)
+                    res.rerun.setdefault(nid, {})[mode] = alone.statuses.get(nid) or (alone.crashed and "crashed") or "not run"
+            results.append(res)
+    return results, probes
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Reporting
+
+
+def totals(results: Iterable[FileResult]) -> dict[str, float]:
+    results = list(results)
+    both = [r for r in results if not r.runs["active"].crashed and not r.runs["disabled"].crashed]
+    a = sum(r.runs["active"].wall_s for r in both)
+    d = sum(r.runs["disabled"].wall_s for r in both)
+    return {"active_wall_s": a, "disabled_wall_s": d, "ratio": (a / d) if d else float("nan"),
+            "files_compared": len(both), "files": len(results)}
+
+
+def _row(r: FileResult, mode: str) -> list[str]:
+    run = r.runs[mode]
+    return [str(len(run.statuses)), str(run.count("passed")), str(run.count(*FAILED)), str(run.count("skipped")),
+            f"{run.wall_s:.1f}" + (" (timeout)" if run.timed_out else " (crash)" if run.crashed else "")]
+
+
+def table_rows(results: list[FileResult]) -> list[list[str]]:
+    rows = []
+    for r in results:
+        a, d = r.runs["active"], r.runs["disabled"]
+        ratio = f"{a.wall_s / d.wall_s:.2f}" if d.wall_s and not (a.crashed or d.crashed) else "–"
+        rows.append([r.file, r.suite, *_row(r, "active"), *_row(r, "disabled"), ratio, str(len(r.active_only))])
+    return rows
+
+
+HEADERS = ["file", "suite", "run", "passed", "failed", "skipped", "wall s",
+           "run", "passed", "failed", "skipped", "wall s", "ratio", "active-only"]
+
+
+def _failure_lines(results: list[FileResult], md: bool) -> list[str]:
+    lines: list[str] = []
+    b = "`" if md else ""
+    for r in results:
+        for nid in r.active_only:
+            msg = r.runs["active"].messages.get(nid, "")
+            alone = r.rerun.get(nid)
+            alone_s = (f" — alone: active {alone.get('active', '?')}, disabled {alone.get('disabled', '?')}"
+                       if alone else "")
+            lines.append(f"- {b}{nid}{b}{alone_s}" + (f"\n  {b}{msg}{b}" if msg else ""))
+    return lines
+
+
+def render_text(results: list[FileResult], probes: dict[str, dict]) -> str:
+    out = []
+    for mode in MODES:
+        p = probes.get(mode, {})
+        out.append(f"{mode:8s}: torch {p.get('torch', '?')}, package imported={p.get('imported')}, "
+                   f"activation={p.get('activation')}" + (f", reason={p['inactive_reason']}" if p.get("inactive_reason") else "")
+                   + (f", ERROR {p['error']}" if p.get("error") else ""))
+    patches = probes.get("active", {}).get("patches") or {}
+    if patches:
+        out.append("patches (active): " + ", ".join(f"{k}={v}" for k, v in patches.items()))
+    rows = table_rows(results)
+    head = ["file", "suite", "A run", "A pass", "A fail", "A skip", "A wall s",
+            "D run", "D pass", "D fail", "D skip", "D wall s", "A/D", "active-only"]
+    widths = [max(len(x) for x in col) for col in zip(head, *rows)]
+    out.append("")
+    out.append("  ".join(h.ljust(w) for h, w in zip(head, widths)))
+    for row in rows:
+        out.append("  ".join(c.ljust(w) for c, w in zip(row, widths)))
+    t = totals(results)
+    out.append("")
+    out.append(f"wall time: active {t['active_wall_s']:.1f} s, disabled {t['disabled_wall_s']:.1f} s, "
+               f"ratio active/disabled {t['ratio']:.3f} over {t['files_compared']} of {t['files']} files")
+    out.append("")
+    fails = _failure_lines(results, md=False)
+    out.append(f"active-only failures: {len(fails)}")
+    out.extend("  " + x.replace("\n", "\n  ") for x in fails)
+    dis = [f"  - {nid}  {r.runs['disabled'].messages.get(nid, '')}" for r in results for nid in r.disabled_only]
+    out.append(f"disabled-only failures: {len(dis)}")
+    out.extend(dis)
+    # Drift of the TTC_DISABLE=1 baseline (machine, flaky tests, another torch build): informational.
+    drift = [nid for r in results for nid in r.baseline_unexpected]
+    if drift:
+        out.append(f"failing with TTC_DISABLE=1 but not in baseline-disabled.txt: {len(drift)}")
+        out.extend(f"  - {nid}" for nid in drift)
+    fixed = [nid for r in results for nid in r.baseline_passing]
+    if fixed:
+        out.append(f"in baseline-disabled.txt but passing with TTC_DISABLE=1: {len(fixed)}")
+        out.extend(f"  - {nid}" for nid in fixed)
+    return "\n".join(out)
+
+
+def render_md(results: list[FileResult], probes: dict[str, dict]) -> str:
+    t = totals(results)
+    act = probes.get("active", {})
+    lines = [
+        f"torch {act.get('torch', '?')}; active mode: activation `{act.get('activation')}`"
+        + (f", inactive: {act['inactive_reason']}" if act.get("inactive_reason") else "") + "; patches: "
+        + (", ".join(f"`{k}` {v}" for k, v in (act.get("patches") or {}).items()) or "none reported") + ".",
+        "",
+        "| | | active | | | | | `TTC_DISABLE=1` | | | | | | |",
+        "| " + " | ".join(HEADERS) + " |",
+        "|" + "---|" * len(HEADERS),
+    ]
+    for row in table_rows(results):
+        lines.append("| `" + row[0] + "` | " + " | ".join(row[1:]) + " |")
+    ra = sum(len(r.runs["active"].statuses) for r in results)
+    rd = sum(len(r.runs["disabled"].statuses) for r in results)
+    pa = sum(r.runs["active"].count("passed") for r in results)
+    pd = sum(r.runs["disabled"].count("passed") for r in results)
+    fa = sum(r.runs["active"].count(*FAILED) for r in results)
+    fd = sum(r.runs["disabled"].count(*FAILED) for r in results)
+    sa = sum(r.runs["active"].count("skipped") for r in results)
+    sd = sum(r.runs["disabled"].count("skipped") for r in results)
+    lines.append(f"| **all** | | {ra} | {pa} | {fa} | {sa} | {t['active_wall_s']:.1f} | {rd} | {pd} | {fd} | {sd} | "
+                 f"{t['disabled_wall_s']:.1f} | **{t['ratio']:.3f}** | {sum(len(r.active_only) for r in results)} |")
+    lines.append("")
+    fails = _failure_lines(results, md=True)
+    lines.append(f"Active-only failures ({len(fails)}):" if fails else "Active-only failures: none.")
+    if fails:
+        lines.append("")
+        lines.extend(fails)
+    dis = [nid for r in results for nid in r.disabled_only]
+    lines.append("")
+    lines.append(f"Disabled-only failures ({len(dis)}):" if dis else "Disabled-only failures: none.")
+    if dis:
+        lines.append("")
+        lines.extend(f"- `{nid}`" for nid in dis)
+    return "\n".join(lines) + "\n"
+
+
+MD_BEGIN = "<!-- upstream-table:begin -->"
+MD_END = "<!-- upstream-table:end -->"
+
+
+def write_md(path: Path, table: str) -> None:
+    """Replace the part between the markers when the file has them (docs/upstream-tests.md does), else
+    write the table alone."""
+    text = path.read_text(encoding="utf-8") if path.is_file() else ""
+    if MD_BEGIN in text and MD_END in text:
+        head, rest = text.split(MD_BEGIN, 1)
+        tail = rest.split(MD_END, 1)[1]
+        text = f"{head}{MD_BEGIN}\n{table}{MD_END}{tail}"
+    else:
+        text = table
+    path.write_text(text, encoding="utf-8")
+
+
+def to_json(results: list[FileResult], probes: dict[str, dict]) -> dict:
+    return {"probes": probes, "totals": totals(results), "files": [asdict(r) for r in results]}
+
+
+# ---------------------------------------------------------------------------------------------------------
+
+
+def roots_from_args(args: argparse.Namespace) -> list[tuple[Path, str]]:
+    roots: list[tuple[Path, str]] = []
+    default = [SHARED_TESTS] if SHARED_TESTS.is_dir() and not args.no_shared else []
+    dirs = args.tests_dir if args.tests_dir is not None else default
+    for d in dirs:
+        d = Path(d).resolve()
+        if not d.is_dir():
+            raise SystemExit(f"--tests-dir {d}: not a directory")
+        roots.append((d, d.parent.name or d.name))
+    if args.own and OWN_TESTS.is_dir() and all(d != OWN_TESTS.resolve() for d, _ in roots):
+        roots.append((OWN_TESTS.resolve(), "own"))
+    return roots
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt  # unwinds like Ctrl-C, so _run kills the running child's process group
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    global PYCACHE_PREFIX
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tests-dir", action="append", type=Path, default=None,
+                    help="a pytorch test/ folder (repeatable); default ../shared/pytorch-tests/test if present")
+    ap.add_argument("--no-shared", action="store_true",
+                    help="no --tests-dir default: only the project's own files (unless --tests-dir is given)")
+    ap.add_argument("--no-own", dest="own", action="store_false",
+                    help="leave out the project's own upstream files (bench/pytorch_tests/test)")
+    ap.add_argument("--files", action="append", default=[], metavar="GLOB",
+                    help="run only files matching (path relative to its root, or SUITE:PATH); repeatable")
+    ap.add_argument("--exclude", action="append", default=[], metavar="GLOB", help="leave out matching files")
+    ap.add_argument("--timeout", type=float, default=1500, help="seconds for one file in one mode (default 1500)")
+    ap.add_argument("--test-timeout", type=float, default=300, help="pytest-timeout per test (default 300)")
+    ap.add_argument("--python", default=sys.executable, help="interpreter that runs the tests")
+    ap.add_argument("--rerun", type=int, default=8, metavar="N",
+                    help="re-run up to N active-only failures per file, each alone, both modes (default 8; 0: none)")
+    ap.add_argument("--md", type=Path, help="write the results table (markdown) to this file; in a file that "
+                    "has the markers <!-- upstream-table:begin/end --> only the part between them is replaced")
+    ap.add_argument("--json", type=Path, help="write every result (per test) as JSON to this file")
+    ap.add_argument("--log-dir", type=Path, help="keep each pytest run's output here")
+    ap.add_argument("--pycache-prefix", default=PYCACHE_PREFIX,
+                    help="children's PYTHONPYCACHEPREFIX (default %(default)s); 'none': caches next to the sources")
+    ap.add_argument("--list", action="store_true", help="list the selected files and exit")
+    args = ap.parse_args(argv)
+    PYCACHE_PREFIX = None if args.pycache_prefix.lower() == "none" else args.pycache_prefix
+    signal.signal(signal.SIGTERM, _on_sigterm)
+
+    files: list[TestFile] = []
+    for root, suite in roots_from_args(args):
+        files += discover(root, suite)
+    files = select(files, args.files, args.exclude)
+    if args.list:
+        for f in files:
+            print(f"{f.key}\t{f.root}")
+        return 0 if files else 2
+    if not files:
+        print("no test file selected", file=sys.stderr)
+        return 2
+
+    try:
+        results, probes = run_all(files, args.python, args.timeout, args.test_timeout, args.rerun, args.log_dir)
+    except KeyboardInterrupt:
+        print("interrupted; the running test file was stopped", file=sys.stderr)
+        return 130
+    print(render_text(results, probes))
+    if args.md:
+        write_md(args.md, render_md(results, probes))
+    if args.json:
+        args.json.write_text(json.dumps(to_json(results, probes), indent=1), encoding="utf-8")
+    if not is_active(probes.get("active", {})) or not is_disabled(probes.get("disabled", {})):
+        print("\nERROR: the comparison is void: the package is not active in the active child, or is in "
+              "effect in the disabled one (see the first two lines)", file=sys.stderr)
+        return 2
+    return 1 if any(r.active_only for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
