@@ -21,7 +21,7 @@ the sequence axis, so ``kv_idx = step * S + position``.
 """
 from __future__ import annotations
 
-from typing import Callable, List, Union
+from typing import Callable, List, Tuple, Union
 
 import torch
 
@@ -66,13 +66,58 @@ def use_flex(device: torch.device) -> bool:
     return torch.device(device).type == "cuda"
 
 
+BLOCK_SIZE = 128  # flex_attention's default sparse block size
+
+
+def _ordered(blocks: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Block occupancy ``[..., rows, cols]`` (bool) -> (count per row, column indices with the occupied ones
+    first, in increasing order), int32: the layout ``BlockMask`` stores (what ``create_block_mask`` computes)."""
+    dense = blocks.to(torch.int32)
+    count = dense.sum(dim=-1).to(torch.int32)
+    order = torch.argsort(dense, dim=-1, descending=True, stable=True).to(torch.int32)
+    return count.contiguous(), order.contiguous()
+
+
+def block_mask_from_dense(dense: torch.Tensor, mask_mod: MaskMod, block: int = BLOCK_SIZE):
+    """``BlockMask`` from a dense ``[B, H, Q, KV]`` boolean mask and the ``mask_mod`` that produced it.
+
+    Same result as ``create_block_mask(mask_mod, ...)`` (tested), but built from a handful of tensor ops:
+    ``create_block_mask`` evaluates the mask_mod under ``vmap`` and derives the query-side indices through
+    another ``vmap``, tens of milliseconds of interpreter time per mask, and the drafter needs one per TTT step
+    for every batch. Nothing here synchronises with the device.
+    """
+    from torch.nn.attention.flex_attention import BlockMask
+
+    b, h, q_len, kv_len = dense.shape
+    pad_q, pad_kv = (-q_len) % block, (-kv_len) % block
+    if pad_q or pad_kv:
+        dense = torch.nn.functional.pad(dense, (0, pad_kv, 0, pad_q))
+    q_blocks, kv_blocks = (q_len + pad_q) // block, (kv_len + pad_kv) // block
+    sums = dense.reshape(b, h, q_blocks, block, kv_blocks, block).sum(dim=(3, 5))
+    full = sums == block * block
+    partial = (sums > 0) & ~full
+    kv_num, kv_idx = _ordered(partial)
+    full_kv_num, full_kv_idx = _ordered(full)
+    q_num, q_idx = _ordered(partial.transpose(-2, -1))
+    full_q_num, full_q_idx = _ordered(full.transpose(-2, -1))
+    # Positional arguments: the constructor's first eleven parameters are the same from torch 2.5 to 2.13.
+    return BlockMask((q_len, kv_len), kv_num, kv_idx, full_kv_num, full_kv_idx, q_num, q_idx, full_q_num,
+                     full_q_idx, (block, block), mask_mod)
+
+
+# How BlockMasks are built: "dense" (block_mask_from_dense) or "create_block_mask" (torch's own, slower; kept as a
+# switch, --mask-builder, in case the fast path misbehaves on some torch version). Set once before threads start.
+BUILDER = "dense"
+
+
 def build_mask(mask_mod: MaskMod, batch: int, q_len: int, kv_len: int, device: torch.device) -> Mask:
     """A ``BlockMask`` on CUDA, a dense boolean mask elsewhere; built eagerly, outside compiled code."""
-    if use_flex(device):
+    if use_flex(device) and BUILDER == "create_block_mask":
         from torch.nn.attention.flex_attention import create_block_mask
 
         return create_block_mask(mask_mod, batch, None, q_len, kv_len, device=str(device))
-    return dense_mask(mask_mod, batch, q_len, kv_len, torch.device(device))
+    dense = dense_mask(mask_mod, batch, q_len, kv_len, torch.device(device))
+    return block_mask_from_dense(dense, mask_mod) if use_flex(device) else dense
 
 
 def target_mask(doc: torch.Tensor, dense: bool = False) -> Mask:
@@ -85,7 +130,16 @@ def target_mask(doc: torch.Tensor, dense: bool = False) -> Mask:
 
 
 def ttt_masks(doc: torch.Tensor, steps: int) -> List[Mask]:
-    """One mask per TTT step ``i`` (query length S, key length ``S * (i + 1)``)."""
+    """One mask per TTT step ``i`` (query length S, key length ``S * (i + 1)``).
+
+    ``ttt_mod`` does not depend on ``i``: step i's mask is the first ``S * (i + 1)`` key columns of the last
+    step's, so the dense mask is evaluated once and sliced."""
     batch, seq = doc.shape
     mod = ttt_mod(doc, seq)
-    return [build_mask(mod, batch, seq, seq * (i + 1), doc.device) for i in range(steps)]
+    if use_flex(doc.device) and BUILDER == "create_block_mask":
+        return [build_mask(mod, batch, seq, seq * (i + 1), doc.device) for i in range(steps)]
+    dense = dense_mask(mod, batch, seq, seq * steps, doc.device)
+    slices = [dense[..., :seq * (i + 1)] for i in range(steps)]
+    if use_flex(doc.device):
+        return [block_mask_from_dense(m, mod) for m in slices]
+    return slices

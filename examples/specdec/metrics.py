@@ -24,7 +24,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -68,7 +68,11 @@ class ErrorLog:
 
 
 class Throughput:
-    """Tokens and steps per thread kind, with each kind's time to first completed step."""
+    """Tokens and steps per thread kind, each kind's time to first completed step, and a steady-state window.
+
+    Times are host times at which a thread finished *issuing* a step; the GPU may still be behind. The steady
+    window therefore starts and ends at a device synchronisation (``mark``, once after the warm-up steps, and
+    ``close`` at the end), so its tokens/s is what the GPU completed, compile and warm-up excluded."""
 
     def __init__(self) -> None:
         self.start = time.monotonic()
@@ -77,6 +81,8 @@ class Throughput:
         self.steps: Dict[str, int] = collections.Counter()
         self.first_step: Dict[str, float] = {}
         self.last_step: Dict[str, float] = {}
+        self.window_start: Optional[Tuple[float, Dict[str, int]]] = None
+        self.window_end: Optional[Tuple[float, Dict[str, int]]] = None
 
     def add(self, kind: str, tokens: int) -> None:
         now = time.monotonic() - self.start
@@ -86,21 +92,136 @@ class Throughput:
             self.first_step.setdefault(kind, now)
             self.last_step[kind] = now
 
+    def mark(self) -> None:
+        """Start of the steady window (call right after a device synchronisation)."""
+        with self.lock:
+            self.window_start = (time.monotonic(), dict(self.tokens))
+
+    def close(self) -> None:
+        """End of the steady window (after the last step and a device synchronisation)."""
+        with self.lock:
+            if self.window_start is not None and self.window_end is None:
+                self.window_end = (time.monotonic(), dict(self.tokens))
+
+    def window(self) -> Optional[Tuple[float, float]]:
+        if self.window_start is None or self.window_end is None:
+            return None
+        return self.window_start[0], self.window_end[0]
+
+    def steady(self, kind: str) -> Optional[float]:
+        if self.window_start is None or self.window_end is None:
+            return None
+        (t0, n0), (t1, n1) = self.window_start, self.window_end
+        if t1 <= t0:
+            return None
+        return (n1.get(kind, 0) - n0.get(kind, 0)) / (t1 - t0)
+
     def summary(self) -> Dict[str, Dict[str, float]]:
         out = {}
         with self.lock:
-            for kind in sorted(self.tokens):
+            kinds = sorted(self.tokens)
+        for kind in kinds:
+            steady = self.steady(kind)
+            with self.lock:
                 wall = max(self.last_step[kind], 1e-9)
-                steady_time = self.last_step[kind] - self.first_step[kind]
-                steady_tokens = self.tokens[kind] * (self.steps[kind] - 1) / max(self.steps[kind], 1)
                 out[kind] = {
                     "steps": self.steps[kind],
                     "tokens": self.tokens[kind],
                     "time_to_first_step_s": round(self.first_step[kind], 2),
                     "tokens_per_s": round(self.tokens[kind] / wall, 1),
-                    "steady_tokens_per_s": round(steady_tokens / steady_time, 1) if steady_time > 0 else None,
+                    "steady_tokens_per_s": round(steady, 1) if steady else None,
                 }
+        if self.window() is not None:
+            t0, t1 = self.window()
+            out["window"] = {"start_s": round(t0 - self.start, 2), "seconds": round(t1 - t0, 3)}
         return out
+
+
+class GpuUtil:
+    """Samples GPU utilisation (NVML's "percent of time a kernel was running", as nvidia-smi shows it) a few times a
+    second, through pynvml when installed, else an ``nvidia-smi`` child process (killed with the trainer, even
+    by ``os._exit``). ``mean(t0, t1)`` averages the samples of the given monotonic-time window over the GPUs."""
+
+    def __init__(self, cuda_indices: List[int], period_s: float = 0.2) -> None:
+        self.samples: List[Tuple[float, float]] = []
+        self.source: Optional[str] = None
+        self.reason: Optional[str] = None
+        self._stop = threading.Event()
+        self._proc = None
+        ids = self._physical_ids(cuda_indices)
+        try:
+            import pynvml  # noqa: F401
+
+            pynvml.nvmlInit()
+            handles = [pynvml.nvmlDeviceGetHandleByUUID(i) if not i.isdigit() else
+                       pynvml.nvmlDeviceGetHandleByIndex(int(i)) for i in ids]
+            self.source = "nvml"
+            target = lambda: self._poll_nvml(pynvml, handles, period_s)  # noqa: E731
+        except Exception:
+            import shutil
+            import subprocess
+
+            exe = shutil.which("nvidia-smi")
+            if exe is None:
+                self.reason = "neither pynvml nor nvidia-smi available"
+                return
+            self._proc = subprocess.Popen(
+                [exe, "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits",
+                 f"--loop-ms={int(period_s * 1000)}", f"--id={','.join(ids)}"],
+                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, preexec_fn=_die_with_parent)
+            self.source = "nvidia-smi"
+            target = self._read_smi
+        threading.Thread(target=target, name="gpu-util", daemon=True).start()
+
+    @staticmethod
+    def _physical_ids(indices: List[int]) -> List[str]:
+        import os
+
+        visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+        return [visible[i] if i < len(visible) else str(i) for i in indices]
+
+    def _poll_nvml(self, pynvml, handles, period_s: float) -> None:
+        while not self._stop.wait(period_s):
+            try:
+                util = [pynvml.nvmlDeviceGetUtilizationRates(h).gpu for h in handles]
+            except Exception as e:  # pragma: no cover - driver trouble
+                self.reason = f"NVML: {e}"
+                return
+            self.samples.append((time.monotonic(), sum(util) / len(util)))
+
+    def _read_smi(self) -> None:
+        for line in self._proc.stdout:
+            try:
+                self.samples.append((time.monotonic(), float(line.strip())))
+            except ValueError:
+                continue
+
+    def mean(self, window: Optional[Tuple[float, float]]) -> Optional[float]:
+        if window is None:
+            return None
+        vals = [u for t, u in self.samples if window[0] <= t <= window[1]]
+        return round(sum(vals) / len(vals), 1) if vals else None
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._proc is not None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(timeout=2)
+            except Exception:
+                self._proc.kill()
+
+
+def _die_with_parent() -> None:
+    """Child process setup: SIGTERM when the parent dies (Linux prctl PR_SET_PDEATHSIG), so a sampler never
+    outlives a trainer that exits through ``os._exit`` (hang watchdog)."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
+    except Exception:
+        pass
 
 
 def compile_counts() -> Dict[str, int]:

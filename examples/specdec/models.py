@@ -59,11 +59,17 @@ def rope(x: torch.Tensor, pos: torch.Tensor, theta: float = 10000.0) -> torch.Te
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask) -> torch.Tensor:
-    """``[B, H, Q, D] x [B, H, KV, D] -> [B, H, Q, D]`` under ``mask`` (BlockMask -> flex, tensor -> SDPA)."""
+    """``[B, H, Q, D] x [B, Hkv, KV, D] -> [B, H, Q, D]`` under ``mask`` (BlockMask -> flex, tensor -> SDPA).
+    ``Hkv < H``: grouped-query attention (each key/value head serves ``H / Hkv`` query heads)."""
+    gqa = k.shape[1] != q.shape[1]
     if isinstance(mask, torch.Tensor):
+        if gqa:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     from torch.nn.attention.flex_attention import flex_attention
 
+    if gqa:
+        return flex_attention(q, k, v, block_mask=mask, enable_gqa=True)
     return flex_attention(q, k, v, block_mask=mask)
 
 
@@ -86,22 +92,27 @@ class TargetConfig:
     ffn: int = 256
     seed: int = 0
     prior_strength: float = 0.5  # weight of the frozen bigram prior in the logits (0 disables it)
+    kv_heads: Optional[int] = None  # grouped-query attention (Llama 3: 8); None = heads
+    rope_theta: float = 10000.0
 
 
 class Attention(nn.Module):
-    def __init__(self, in_dim: int, dim: int, heads: int) -> None:
+    def __init__(self, in_dim: int, dim: int, heads: int, kv_heads: Optional[int] = None,
+                 rope_theta: float = 10000.0) -> None:
         super().__init__()
         self.heads, self.head_dim = heads, dim // heads
+        self.kv_heads = kv_heads or heads
+        self.rope_theta = rope_theta
         self.q = nn.Linear(in_dim, dim, bias=False)
-        self.k = nn.Linear(in_dim, dim, bias=False)
-        self.v = nn.Linear(in_dim, dim, bias=False)
+        self.k = nn.Linear(in_dim, self.kv_heads * self.head_dim, bias=False)
+        self.v = nn.Linear(in_dim, self.kv_heads * self.head_dim, bias=False)
         self.o = nn.Linear(dim, dim, bias=False)
 
     def project(self, x: torch.Tensor, pos: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         b, s, _ = x.shape
-        split = lambda t: t.view(b, s, self.heads, self.head_dim).transpose(1, 2)  # noqa: E731
-        q, k, v = split(self.q(x)), split(self.k(x)), split(self.v(x))
-        return rope(q, pos), rope(k, pos), v
+        split = lambda t, h: t.view(b, s, h, self.head_dim).transpose(1, 2)  # noqa: E731
+        q, k, v = split(self.q(x), self.heads), split(self.k(x), self.kv_heads), split(self.v(x), self.kv_heads)
+        return rope(q, pos, self.rope_theta), rope(k, pos, self.rope_theta), v
 
     def merge(self, out: torch.Tensor) -> torch.Tensor:
         b, h, s, d = out.shape
@@ -112,7 +123,7 @@ class Block(nn.Module):
     def __init__(self, cfg: TargetConfig) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(cfg.dim)
-        self.attn = Attention(cfg.dim, cfg.dim, cfg.heads)
+        self.attn = Attention(cfg.dim, cfg.dim, cfg.heads, cfg.kv_heads, cfg.rope_theta)
         self.mlp_norm = RMSNorm(cfg.dim)
         self.mlp = SwiGLU(cfg.dim, cfg.ffn)
 
@@ -122,26 +133,59 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
-class TargetLM(nn.Module):
-    """Frozen Llama-style target. ``forward`` returns logits and the full ``hidden_states`` list (HF convention)."""
+def call_block(block: nn.Module, x: torch.Tensor, pos: torch.Tensor, mask: Mask) -> torch.Tensor:
+    """One decoder layer. Compiled on its own (``--target-compile-scope layer``) it is traced once and reused by
+    every layer: dynamo treats the layer's weights as inputs (inlined nn.Modules), so a 32-layer target compiles
+    one layer's graph instead of one 32-layer graph."""
+    return block(x, pos, mask)
 
-    def __init__(self, cfg: TargetConfig, prior: Optional[torch.Tensor] = None) -> None:
+
+class TargetLM(nn.Module):
+    """Frozen Llama-style target. ``forward`` returns logits and the full ``hidden_states`` list (HF convention).
+
+    Built on the meta device and materialised directly on ``device`` in ``dtype`` (an 8B model never exists in
+    float32 or on the CPU), then initialised from its own generator on that device: the weights are a function of
+    (seed, device type), independent of the global RNG. On the CPU they are the same as when the model was built
+    there in float32 and filled parameter by parameter, which is what earlier versions did.
+    """
+
+    def __init__(self, cfg: TargetConfig, prior: Optional[torch.Tensor] = None,
+                 device: Optional[torch.device] = None, dtype: torch.dtype = torch.float32,
+                 init: bool = True) -> None:
         super().__init__()
         self.cfg = cfg
-        gen = torch.Generator().manual_seed(cfg.seed)
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
-        self.norm = RMSNorm(cfg.dim)
-        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        for name, p in self.named_parameters():  # seeded init independent of the global RNG
-            if p.dim() == 2:
-                std = 1.0 if name.startswith("embed") else 1.0 / math.sqrt(p.shape[1])
-                with torch.no_grad():
-                    p.copy_(torch.randn(p.shape, generator=gen) * std)
-        if prior is None:
-            prior = torch.zeros(cfg.vocab_size, cfg.vocab_size)
-        self.register_buffer("prior", prior.float() * cfg.prior_strength, persistent=False)
+        device = torch.device(device or "cpu")
+        with torch.device("meta"):
+            self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
+            self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
+            self.norm = RMSNorm(cfg.dim)
+            self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.to(dtype)
+        self.to_empty(device=device)
+        if init:
+            gen = torch.Generator(device=device).manual_seed(cfg.seed)
+            with torch.no_grad():
+                for name, p in self.named_parameters():
+                    if p.dim() == 2:
+                        std = 1.0 if name.startswith("embed") else 1.0 / math.sqrt(p.shape[1])
+                        p.copy_(torch.randn(p.shape, generator=gen, device=device) * std)
+                    else:  # RMSNorm gains
+                        p.fill_(1.0)
+        if prior is not None and cfg.prior_strength:
+            prior = prior.to(device=device, dtype=torch.float32) * cfg.prior_strength
+        else:
+            prior = None  # a [V, V] prior is out of the question for large vocabularies (128k: 64 GB)
+        self.register_buffer("prior", prior, persistent=False)
         self.requires_grad_(False)
+
+    def replicate(self, device: torch.device) -> "TargetLM":
+        """An identical copy on another device (weights copied, not re-drawn)."""
+        dtype = self.embed.weight.dtype
+        other = TargetLM(self.cfg, None, device=device, dtype=dtype, init=False)
+        other.load_state_dict(self.state_dict())
+        if self.prior is not None:
+            other.prior = self.prior.to(device)
+        return other.eval()
 
     @property
     def num_layers(self) -> int:
@@ -153,13 +197,18 @@ class TargetLM(nn.Module):
     def output_embedding(self) -> torch.Tensor:
         return self.lm_head.weight
 
+    block_fn = None  # optional callable(block, x, pos, mask), e.g. one compiled function shared by all layers
+
     def forward(self, tokens: torch.Tensor, pos: torch.Tensor, mask: Mask) -> Tuple[torch.Tensor, List[torch.Tensor]]:
         x = self.embed(tokens)
         hidden = [x]
+        call = self.block_fn or call_block
         for blk in self.blocks:
-            x = blk(x, pos, mask)
+            x = call(blk, x, pos, mask)
             hidden.append(x)
-        logits = self.lm_head(self.norm(x)) + self.prior[tokens]
+        logits = self.lm_head(self.norm(x))
+        if self.prior is not None:
+            logits = logits.float() + self.prior[tokens]
         return logits, hidden
 
 
@@ -183,6 +232,8 @@ class HFTarget(nn.Module):
         self.dim = int(cfg.hidden_size)
         self.heads = int(cfg.num_attention_heads)
         self.ffn = int(getattr(cfg, "intermediate_size", 4 * self.dim))
+        self.kv_heads = int(getattr(cfg, "num_key_value_heads", None) or self.heads)
+        self.rope_theta = float(getattr(cfg, "rope_theta", 10000.0))
 
     @property
     def num_layers(self) -> int:
@@ -201,14 +252,27 @@ class HFTarget(nn.Module):
         return out.logits, list(out.hidden_states)
 
 
-def target_features(target: nn.Module, tokens: torch.Tensor, pos: torch.Tensor, mask: Mask, topk: int
-                    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """What a target thread sends to the drafters: fused low/mid/high hidden states ``[B, S, 3H]`` and the top-k
-    of the next-token logits (values, indices; ``indices[..., 0]`` is the greedy token). ``topk = vocab`` is exact."""
+def target_features(target: nn.Module, tokens: torch.Tensor, pos: torch.Tensor, mask: Mask, topk: int,
+                    out_dtype: Optional[torch.dtype] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What a target thread sends to the drafters: fused low/mid/high hidden states ``[B, S, 3H]`` and the
+    next-token distribution, either
+
+    * ``topk < vocab``: top-k logits ``[B, S, k]`` and their token ids ``[B, S, k]`` (``ids[..., 0]`` greedy), or
+    * ``topk >= vocab`` (or 0): the full logits ``[B, S, V]`` and the greedy token ``[B, S]``. No sort: a
+      full-vocabulary top-k sorts every row and ships int64 ids as large as the logits.
+
+    ``out_dtype`` (e.g. bfloat16) is the dtype of what is sent (features and logits)."""
     logits, hidden = target(tokens, pos, mask)
     lo, mid, hi = hidden_layer_ids(target.num_layers)
     fused = torch.cat([hidden[lo], hidden[mid], hidden[hi]], dim=-1)
-    vals, idx = torch.topk(logits.float(), topk, dim=-1)
+    vocab = logits.shape[-1]
+    if 0 < topk < vocab:
+        vals, idx = torch.topk(logits, topk, dim=-1)
+        vals = vals.float()
+    else:
+        vals, idx = logits, logits.argmax(dim=-1)
+    if out_dtype is not None:
+        fused, vals = fused.to(out_dtype), vals.to(out_dtype)
     return fused, vals, idx
 
 
@@ -220,6 +284,8 @@ class DrafterConfig:
     heads: int
     ffn: int
     ttt_steps: int = 3
+    kv_heads: Optional[int] = None
+    rope_theta: float = 10000.0
 
 
 class Drafter(nn.Module):
@@ -230,15 +296,18 @@ class Drafter(nn.Module):
     the diagonal (see masks.ttt_mod).
     """
 
-    def __init__(self, cfg: DrafterConfig, embed: torch.Tensor, lm_head: torch.Tensor) -> None:
+    def __init__(self, cfg: DrafterConfig, embed: torch.Tensor, lm_head: torch.Tensor,
+                 buffer_dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.cfg = cfg
-        self.register_buffer("embed", embed.detach().clone().float(), persistent=False)
-        self.register_buffer("lm_head", lm_head.detach().clone().float(), persistent=False)
+        # Frozen copies; under bf16 autocast they are kept in bf16 (autocast would otherwise cast the LM head,
+        # V x H, on every TTT step).
+        self.register_buffer("embed", embed.detach().to(dtype=buffer_dtype, copy=True), persistent=False)
+        self.register_buffer("lm_head", lm_head.detach().to(dtype=buffer_dtype, copy=True), persistent=False)
         self.fuse = nn.Linear(3 * cfg.dim, cfg.dim, bias=False)
         self.emb_norm = RMSNorm(cfg.dim)
         self.hid_norm = RMSNorm(cfg.dim)
-        self.attn = Attention(2 * cfg.dim, cfg.dim, cfg.heads)
+        self.attn = Attention(2 * cfg.dim, cfg.dim, cfg.heads, cfg.kv_heads, cfg.rope_theta)
         self.mlp_norm = RMSNorm(cfg.dim)
         self.mlp = SwiGLU(cfg.dim, cfg.ffn)
         self.final_norm = RMSNorm(cfg.dim)
@@ -276,12 +345,15 @@ def ttt_loss(drafter: Drafter, fused: torch.Tensor, tokens: torch.Tensor, pos: t
     """Training-time-test loss, unrolled over ``len(masks)`` steps (teacher-forced tokens, own hidden states).
 
     Step i at position t reads token ``x[t+1+i]`` and predicts the target's next-token distribution at position
-    ``t+1+i`` (soft cross-entropy on the target's top-k, renormalised). Step losses are weighted ``decay**i``.
-    Returns (loss, per-step accuracy of argmax against the target's greedy token).
+    ``t+1+i``: soft cross-entropy against the target's top-k (renormalised) or, when the target sent its full
+    logits (``tgt_idx`` is the greedy token ``[B, S]``), against its whole distribution. Step losses are weighted
+    ``decay**i``. Returns (loss, stats) with stats = [loss, accuracy of step 0 .. k-1] (argmax against the
+    target's greedy token), detached, for logging without a host synchronisation.
     """
+    full = tgt_idx.dim() == tokens.dim()
     hidden = drafter.fuse(fused)
     cache: List[Tuple[torch.Tensor, torch.Tensor]] = []
-    total = fused.new_zeros(())
+    total = hidden.new_zeros((), dtype=torch.float32)
     weights = 0.0
     accs = []
     for i, mask in enumerate(masks):
@@ -289,13 +361,19 @@ def ttt_loss(drafter: Drafter, fused: torch.Tensor, tokens: torch.Tensor, pos: t
         vals, idx = shift_left(tgt_vals, 1 + i), shift_left(tgt_idx, 1 + i)
         valid = ttt_valid(doc, i).float()
         count = valid.sum().clamp_min(1.0)
-        logq = torch.log_softmax(logits.float(), dim=-1).gather(-1, idx)
-        ce = -(torch.softmax(vals, dim=-1) * logq).sum(-1)
+        logq = torch.log_softmax(logits.float(), dim=-1)
+        if full:
+            greedy = idx
+        else:
+            logq = logq.gather(-1, idx)
+            greedy = idx[..., 0]
+        ce = -(torch.softmax(vals.float(), dim=-1) * logq).sum(-1)
         w = step_decay ** i
         total = total + w * (ce * valid).sum() / count
         weights += w
-        accs.append(((logits.argmax(-1) == idx[..., 0]).float() * valid).sum() / count)
-    return total / weights, torch.stack(accs)
+        accs.append(((logits.argmax(-1) == greedy).float() * valid).sum() / count)
+    loss = total / weights
+    return loss, torch.cat([loss.detach().view(1), torch.stack(accs).detach()])
 
 
 @torch.no_grad()

@@ -1,0 +1,314 @@
+"""Threads, CUDA streams and the hand-offs between them.
+
+Every worker thread runs on a ``Lane``: its device and, on CUDA with ``--streams``, a stream of its own, so that
+the GPU work of different threads can overlap (on the shared default stream it would run one kernel at a time,
+whichever thread issued it). Work crosses lanes in three places, and each is ordered by a CUDA event, never by a
+host synchronisation:
+
+* target -> drafter (the queue): the target records an event after its forward; the drafter's stream waits for it
+  and marks the tensors as used by its stream (``record_stream``), so the caching allocator does not hand their
+  memory back to the target's stream while the drafter still reads it. Across GPUs the copy runs on a helper
+  stream of the source GPU that waits for the event.
+* drafter -> reducer -> drafter (gradient averaging): each thread records an event after its backward; the
+  leader's stream waits for all of them, sums into a persistent buffer, records an event; every thread's stream
+  waits for that one before copying the average back. Persistent buffers mean no allocator hazards, and the waits
+  order every read before the next write.
+* leader -> host (logging): statistics are copied into pinned memory with ``non_blocking=True`` and read once the
+  copy's event has completed (``StatsLog``); nothing in the loop calls ``.item()``.
+
+Without streams (``--no-streams``, or the CPU) every event is ``None`` and every wait a no-op: program order is
+stream order.
+"""
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+import time
+from collections import deque
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from . import metrics
+
+Event = Optional["torch.cuda.Event"]
+
+
+class Stopped(Exception):
+    """Raised inside a worker when the shared stop event is set (not an error)."""
+
+
+class Lane:
+    """A worker thread's device and stream."""
+
+    def __init__(self, device: torch.device, streams: bool) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device=device) if self.cuda and streams else None
+        self._helpers: Dict[int, "torch.cuda.Stream"] = {}
+
+    def context(self):
+        """Enter once at the top of the thread: makes the lane's device and stream current for it."""
+        if self.stream is not None:
+            return torch.cuda.stream(self.stream)
+        if self.cuda:
+            return torch.cuda.device(self.device)
+        return contextlib.nullcontext()
+
+    def record(self) -> Event:
+        if self.stream is None:
+            return None
+        ev = torch.cuda.Event()
+        ev.record(self.stream)
+        return ev
+
+    def wait(self, ev: Event) -> None:
+        if ev is not None and self.stream is not None:
+            self.stream.wait_event(ev)
+
+    def synchronize(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def _helper(self, device: torch.device) -> "torch.cuda.Stream":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if index not in self._helpers:
+            self._helpers[index] = torch.cuda.Stream(device=device)
+        return self._helpers[index]
+
+    def fetch(self, tensors: Sequence[torch.Tensor], ev: Event) -> List[torch.Tensor]:
+        """Tensors produced on another lane (complete at ``ev``), made safe to use on this lane."""
+        if self.stream is None:
+            return [t.to(self.device, non_blocking=True) for t in tensors]  # default streams: ordered already
+        out: List[torch.Tensor] = []
+        waited = False
+        for t in tensors:
+            if t.device == self.device:
+                if not waited:
+                    self.wait(ev)
+                    waited = True
+                t.record_stream(self.stream)
+                out.append(t)
+            else:
+                # Across GPUs torch copies on the *source* GPU's current stream, which for this thread is not the
+                # producer's: a helper stream of the source GPU waits for the producer, runs the copy (torch
+                # orders it with this lane's stream), and keeps the source alive until the copy is done.
+                helper = self._helper(t.device)
+                if ev is not None:
+                    helper.wait_event(ev)
+                with torch.cuda.stream(helper):
+                    out.append(t.to(self.device, non_blocking=True))
+                t.record_stream(helper)
+        return out
+
+    def copy_into(self, dst: torch.Tensor, src: torch.Tensor, ev: Event) -> None:
+        """``dst`` (on this lane) <- ``src`` (produced on another lane, complete at ``ev``)."""
+        if self.stream is None:
+            dst.copy_(src, non_blocking=True)
+        elif src.device == dst.device:
+            self.wait(ev)
+            dst.copy_(src, non_blocking=True)
+        else:
+            helper = self._helper(src.device)
+            if ev is not None:
+                helper.wait_event(ev)
+            with torch.cuda.stream(helper):
+                dst.copy_(src, non_blocking=True)
+
+
+class Reducer:
+    """Average a flat tensor (gradients + statistics) over the drafter threads of this process, then over processes.
+
+    Each thread passes its persistent buffer; after a barrier the leader (index 0) sums them in thread order
+    (deterministic) into a persistent buffer, divides by ``divisor`` (the batches that went into the sums),
+    all-reduces across ranks and post-processes (gradient clipping); after a second barrier every thread copies
+    the result into its own buffer, in place. One thread and one process: no barrier, no copy.
+    """
+
+    def __init__(self, n: int, divisor: int, world: int, post: Callable[[torch.Tensor], None]) -> None:
+        self.n, self.divisor, self.world, self.post = n, divisor, world, post
+        self.barrier = threading.Barrier(n) if n > 1 else None
+        self.slots: List[Optional[Tuple[torch.Tensor, Event]]] = [None] * n
+        self.total: Optional[torch.Tensor] = None
+        self.done: Event = None
+
+    def _finish(self, total: torch.Tensor) -> None:
+        if self.divisor != 1:
+            total.div_(self.divisor)
+        if self.world > 1:
+            import torch.distributed as dist
+
+            if dist.get_backend() == "gloo" and total.device.type != "cpu":
+                buf = total.cpu()
+                dist.all_reduce(buf)
+                total.copy_(buf)
+            else:
+                dist.all_reduce(total)
+            total.div_(self.world)
+        self.post(total)
+
+    def __call__(self, idx: int, flat: torch.Tensor, lane: Lane) -> None:
+        if self.barrier is None:
+            self._finish(flat)
+            return
+        self.slots[idx] = (flat, lane.record())
+        self.barrier.wait()
+        if idx == 0:
+            if self.total is None:
+                self.total = torch.empty_like(flat)
+            for j, (t, ev) in enumerate(self.slots):
+                if j == 0:
+                    self.total.copy_(t)
+                elif t.device == self.total.device:
+                    lane.wait(ev)
+                    self.total.add_(t)
+                else:
+                    self.total.add_(lane.fetch([t], ev)[0])
+            self._finish(self.total)
+            self.done = lane.record()
+        self.barrier.wait()
+        lane.copy_into(flat, self.total, self.done)
+
+    def abort(self) -> None:
+        if self.barrier is not None:
+            self.barrier.abort()
+
+
+class StatsLog:
+    """Per-step statistics leave the GPU without stalling it: each step's small vector is copied into pinned host
+    memory asynchronously, with an event; ``drain`` hands out (step, values, extra) of the steps whose copy has
+    finished, in order (``wait=True``: all of them, synchronising once)."""
+
+    def __init__(self, lane: Lane, pin: bool) -> None:
+        self.lane, self.pin = lane, pin and lane.cuda
+        self.pending: Deque[Tuple[int, torch.Tensor, Any, Dict[str, Any]]] = deque()
+
+    def push(self, step: int, values: torch.Tensor, extra: Dict[str, Any]) -> None:
+        if not self.lane.cuda:
+            self.pending.append((step, values.detach().clone(), None, extra))
+            return
+        host = torch.empty(values.shape, dtype=values.dtype, pin_memory=self.pin)
+        host.copy_(values.detach(), non_blocking=self.pin)
+        ev = torch.cuda.Event()
+        ev.record()
+        self.pending.append((step, host, ev, extra))
+
+    def drain(self, wait: bool = False) -> List[Tuple[int, List[float], Dict[str, Any]]]:
+        out = []
+        while self.pending:
+            step, host, ev, extra = self.pending[0]
+            if ev is not None and not ev.query():
+                if not wait:
+                    break
+                ev.synchronize()
+            self.pending.popleft()
+            out.append((step, host.tolist(), extra))
+        return out
+
+
+class PhaseTimer:
+    """GPU time of each target forward and drafter step, from CUDA events around them on the thread's stream
+    (read once at the end, so no synchronisation in the loop). With concurrent streams an interval also contains
+    other threads' kernels that ran meanwhile: exact for the sequential layout, an upper bound otherwise."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.lock = threading.Lock()
+        self.events: Dict[str, List[Tuple[int, Any, Any]]] = {}
+
+    def start(self) -> Any:
+        if not self.enabled:
+            return None
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+
+    def stop(self, kind: str, step: int, start: Any) -> None:
+        if start is None:
+            return
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        with self.lock:
+            self.events.setdefault(kind, []).append((step, start, end))
+
+    def summary(self, after_step: int) -> Dict[str, Dict[str, float]]:
+        """Mean milliseconds per call for calls at steps > ``after_step`` (call after a device synchronize)."""
+        out = {}
+        with self.lock:
+            for kind, evs in self.events.items():
+                times = [s.elapsed_time(e) for step, s, e in evs if step > after_step]
+                if times:
+                    out[kind] = {"calls": len(times), "mean_ms": round(sum(times) / len(times), 3)}
+        return out
+
+
+class Run:
+    """State shared by all threads of one process."""
+
+    def __init__(self, args: Any, rank: int = 0, world: int = 1) -> None:
+        self.args, self.rank, self.world = args, rank, world
+        self.stop = threading.Event()
+        self.errors = metrics.ErrorLog()
+        self.throughput = metrics.Throughput()
+        self.last_progress = time.monotonic()
+        self.steps_done = 0
+        self.reducer: Optional[Reducer] = None
+
+    def call(self, where: str, fn: Callable[[], Any]) -> Any:
+        """Run one compiled call under the error policy: 'raise' propagates; 'count' counts the error and retries
+        with a growing pause (1 ms .. 100 ms: the usual cause, another thread's compile, takes seconds), giving up
+        after ``--retry-timeout`` seconds of consecutive failures."""
+        first_failure: Optional[float] = None
+        pause = 0.001
+        while True:
+            if self.stop.is_set():
+                raise Stopped
+            try:
+                return fn()
+            except Exception as e:
+                now = time.monotonic()
+                first_failure = first_failure if first_failure is not None else now
+                if self.args.error_policy == "raise" or now - first_failure > self.args.retry_timeout:
+                    raise
+                self.errors.count(where, e)
+                time.sleep(pause)
+                pause = min(0.1, pause * 2)
+
+    def halt(self) -> None:
+        self.stop.set()
+        if self.reducer is not None:
+            self.reducer.abort()
+
+    def put(self, q: "queue.Queue", item: Any) -> None:
+        while True:
+            try:
+                return q.put(item, timeout=0.2)
+            except queue.Full:
+                if self.stop.is_set():
+                    raise Stopped
+
+    def get(self, q: "queue.Queue") -> Any:
+        while True:
+            try:
+                return q.get(timeout=0.2)
+            except queue.Empty:
+                if self.stop.is_set():
+                    raise Stopped
+
+
+def worker(run: Run, name: str, fn: Callable[[], None]) -> threading.Thread:
+    """A thread whose first real error stops everyone (the stop event + barrier abort unblock all waits)."""
+
+    def body() -> None:
+        try:
+            fn()
+        except (Stopped, threading.BrokenBarrierError):
+            if not run.stop.is_set():
+                run.errors.fatal(name, RuntimeError("barrier broken without a stop request"))
+                run.halt()
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+            run.errors.fatal(name, e)
+            run.halt()
+
+    return threading.Thread(target=body, name=name, daemon=True)

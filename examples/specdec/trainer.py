@@ -1,0 +1,740 @@
+"""The training run behind examples/specdec/train.py: set-up, the worker loops of both layouts, the summary.
+
+Entered after the command line was validated (``cli.validate``), so everything here may assume sane values.
+
+* ``threaded`` (default): T target threads feed D drafter threads through bounded queues; each drafter trains its
+  own replica on one batch per step; gradients are averaged across drafters (``runtime.Reducer``).
+* ``sequential``: the usual alternative (SpecForge / EAGLE-3 style): one thread per device runs the target forward
+  and then the drafter step, one batch after the other. It trains on the same D batches per step (accumulating
+  gradients), with the same models, compile settings and data, so the two layouts differ only in threading.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import datetime
+import faulthandler
+import json
+import math
+import os
+import queue
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from . import checkpoint, cli, data as data_mod, flops, masks, metrics, models
+from .runtime import Lane, PhaseTimer, Reducer, Run, StatsLog, worker
+
+
+# ------------------------------------------------------------------------------------------------- devices
+def check_devices(args: argparse.Namespace) -> Optional[str]:
+    """CUDA requested but not there, or a GPU index that does not exist: one line, or None."""
+    spec = args.devices
+    entries = cli.device_list(spec)
+    if spec == "auto" or not any(e.startswith("cuda") for e in entries):
+        return None
+    preset = f" (preset {args.preset})" if args.preset else ""
+    if not torch.cuda.is_available():
+        why = "this torch build has no CUDA" if torch.version.cuda is None else "no GPU is visible"
+        return (f"--devices {spec}{preset} needs CUDA, but {why} (torch {torch.__version__}); "
+                f"use --devices cpu or --preset cpu-tiny")
+    n = torch.cuda.device_count()
+    for e in entries:
+        if ":" in e and int(e.split(":")[1]) >= n:
+            return f"--devices {spec}: {e} does not exist ({n} GPU(s) visible)"
+    return None
+
+
+def parse_devices(spec: str) -> List[torch.device]:
+    if spec == "auto":
+        spec = "cuda" if torch.cuda.is_available() else "cpu"
+    if spec == "cuda":
+        return [torch.device(f"cuda:{i}") for i in range(torch.cuda.device_count())]
+    return [torch.device(d) for d in cli.device_list(spec)]
+
+
+# ------------------------------------------------------------------------------------------------- set-up
+def build_data(args: argparse.Namespace):
+    if args.data:
+        tok = data_mod.load_tokenizer(args.tokenizer or (args.target_hf if data_mod.has_tokenizer(args.target_hf) else None))
+        return data_mod.TextData(args.data, tok, args.batch_size, args.seq_len, seed=args.seed)
+    return data_mod.MarkovData(args.vocab_size, args.batch_size, args.seq_len, seed=args.seed)
+
+
+def build_target(args: argparse.Namespace, data, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    if args.target_hf:
+        return models.HFTarget(args.target_hf).to(device=device, dtype=dtype)
+    use_prior = isinstance(data, data_mod.MarkovData) and args.prior_strength > 0
+    prior = data.transition_logprobs() if use_prior else None
+    vocab = args.vocab_size if isinstance(data, data_mod.MarkovData) else max(args.vocab_size, data.vocab_size)
+    cfg = models.TargetConfig(vocab_size=vocab, dim=args.target_dim, layers=args.target_layers,
+                              heads=args.target_heads, ffn=args.target_ffn, seed=args.seed,
+                              prior_strength=args.prior_strength if use_prior else 0.0,
+                              kv_heads=args.target_kv_heads, rope_theta=args.rope_theta)
+    return models.TargetLM(cfg, prior, device=device, dtype=dtype).eval()
+
+
+def replicate_target(target: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    if isinstance(target, models.TargetLM):
+        return target.replicate(device)
+    return copy.deepcopy(target).to(device)
+
+
+def target_shape(args: argparse.Namespace, target: torch.nn.Module) -> flops.Shape:
+    if isinstance(target, models.HFTarget):
+        return flops.Shape(target.vocab_size, target.dim, target.heads, target.kv_heads, target.ffn,
+                           target.num_layers)
+    cfg = target.cfg
+    return flops.Shape(cfg.vocab_size, cfg.dim, cfg.heads, cfg.kv_heads or cfg.heads, cfg.ffn, cfg.layers)
+
+
+def drafter_config(args: argparse.Namespace, target: torch.nn.Module) -> models.DrafterConfig:
+    s = target_shape(args, target)
+    return models.DrafterConfig(vocab_size=target.output_embedding().shape[0], dim=s.dim, heads=s.heads,
+                                ffn=s.ffn, ttt_steps=args.ttt_steps, kv_heads=s.kv_heads,
+                                rope_theta=getattr(target, "rope_theta", None) or args.rope_theta)
+
+
+def maybe_compile(args: argparse.Namespace, fn: Callable, mode: str = "default") -> Callable:
+    if args.no_compile:
+        return fn
+    kwargs: Dict[str, Any] = dict(backend=args.compile_backend, dynamic=False)
+    if mode != "default":
+        kwargs["mode"] = mode
+    return torch.compile(fn, **kwargs)
+
+
+def autocast(args: argparse.Namespace, device: torch.device):
+    if args.autocast == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def mean_attended_keys(data, batches: int = 2) -> float:
+    """Keys a query attends under the document-causal mask, averaged over a few batches (for the FLOP count)."""
+    total, count = 0.0, 0
+    for i in range(batches):
+        doc = data.batch(i).doc
+        b, s = doc.shape
+        total += float(masks.dense_mask(masks.document_causal_mod(doc), b, s, s, torch.device("cpu")).sum())
+        count += b * s
+    return total / count
+
+
+@dataclass
+class EvalSet:
+    """Held-out prompts plus the target's greedy continuation, with the target features, on one device."""
+
+    tokens: torch.Tensor
+    pos: torch.Tensor
+    fused: torch.Tensor
+    masks: List[torch.Tensor]
+    first: int
+    last: int
+
+    @classmethod
+    @torch.no_grad()
+    def build(cls, args: argparse.Namespace, data, target: torch.nn.Module, device: torch.device) -> "EvalSet":
+        """Eager and dense-masked on purpose: built once, before any worker thread starts."""
+        block_fn = getattr(target, "block_fn", None)
+        if block_fn is not None:  # a compiled layer would recompile for every generated length
+            target.block_fn = None
+        try:
+            return cls._build(args, data, target, device)
+        finally:
+            if block_fn is not None:
+                target.block_fn = block_fn
+
+    @classmethod
+    @torch.no_grad()
+    def _build(cls, args: argparse.Namespace, data, target: torch.nn.Module, device: torch.device) -> "EvalSet":
+        k = args.ttt_steps
+        toks = data.prompts(args.eval_prompts, args.eval_prompt_len, seed=args.seed + 1).to(device)
+        for _ in range(args.eval_gen_len + k + 1):
+            b, s = toks.shape
+            pos = torch.arange(s, device=device).expand(b, s)
+            mask = masks.dense_mask(masks.document_causal_mod(torch.zeros_like(toks)), b, s, s, device)
+            logits, _ = target(toks, pos, mask)
+            toks = torch.cat([toks, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+        b, s = toks.shape
+        doc = torch.zeros_like(toks)
+        pos = torch.arange(s, device=device).expand(b, s).contiguous()
+        mask = masks.dense_mask(masks.document_causal_mod(doc), b, s, s, device)
+        fused, _, _ = models.target_features(target, toks, pos, mask, 1)
+        if args.autocast == "off":
+            fused = fused.float()
+        ttt = [masks.dense_mask(masks.ttt_mod(doc, s), b, s, s * (i + 1), device) for i in range(k)]
+        return cls(toks, pos, fused, ttt, first=args.eval_prompt_len - 1, last=s - k - 2)
+
+    def evaluate(self, drafter: models.Drafter, args: argparse.Namespace) -> Dict[str, object]:
+        with autocast(args, self.tokens.device):
+            proposals = models.draft_greedy(drafter, self.fused, self.tokens, self.pos, self.masks)
+        return metrics.acceptance(proposals, self.tokens, self.first, self.last)
+
+
+def lr_at(args: argparse.Namespace, step: int) -> float:
+    """Linear warm-up then cosine decay to 10 %; a pure function of the step, so resume needs no scheduler state."""
+    if step < args.warmup:
+        return args.lr * (step + 1) / args.warmup
+    frac = (step - args.warmup) / max(1, args.steps - args.warmup)
+    return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
+
+
+def inject_fault(args: argparse.Namespace, thread: str, step: int) -> None:
+    """``--inject-fault``: fail or hang on purpose, to exercise shutdown and the hang watchdog."""
+    if not args.inject_fault:
+        return
+    kind, where, at = args.inject_fault.split(":")
+    if where == thread and int(at) == step:
+        if kind == "error":
+            raise RuntimeError(f"injected fault in {thread} thread at step {step}")
+        while True:  # a hang that ignores the stop event, like a real deadlock would
+            time.sleep(1.0)
+
+
+def upload(batch: data_mod.Batch, lane: Lane, pin: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """tokens, doc, pos on the lane's device: one stacked host tensor, pinned, copied asynchronously on the lane's
+    stream (a pageable copy would make the thread wait for the GPU)."""
+    host = torch.stack([batch.tokens, batch.doc, batch.pos])
+    if lane.cuda:
+        if pin:
+            host = host.pin_memory()
+        host = host.to(lane.device, non_blocking=pin)
+    tokens, doc, pos = host.unbind(0)
+    return tokens, doc, pos
+
+
+class Replica:
+    """One drafter replica with its optimizer, on its lane. Gradients live in one persistent flat buffer
+    (``p.grad`` are views into it, so backward accumulates straight into what gets reduced): no per-step
+    concatenation, no per-parameter copies. Layout: [gradients | loss | accuracy per TTT step | grad norm]."""
+
+    def __init__(self, model: models.Drafter, opt: torch.optim.Optimizer, lane: Lane, k: int) -> None:
+        self.model, self.opt, self.lane, self.k = model, opt, lane, k
+        params = list(model.parameters())
+        self.n_grad = sum(p.numel() for p in params)
+        self.flat = torch.zeros(self.n_grad + k + 2, device=lane.device)
+        offset = 0
+        for p in params:
+            p.grad = self.flat[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
+        self.completed = 0  # last step whose optimizer update finished
+        self.updating = False
+
+    def forward_backward(self, run: Run, args: argparse.Namespace, loss_fn: Callable, feats: Sequence[torch.Tensor],
+                         first: bool) -> None:
+        fused, vals, idx, tokens, pos, doc = feats
+        if args.autocast == "off" and fused.dtype != torch.float32:
+            fused = fused.float()
+        step_masks = masks.ttt_masks(doc, self.k)
+
+        def fwd_bwd() -> torch.Tensor:
+            if first:
+                self.flat.zero_()
+            if args.drafter_compile_mode == "reduce-overhead" and not args.no_compile:
+                torch.compiler.cudagraph_mark_step_begin()  # the stats output is consumed before the next replay
+            with autocast(args, self.lane.device):
+                loss, stats = loss_fn(self.model, fused, tokens, pos, doc, vals, idx, step_masks)
+            loss.backward()
+            return stats
+
+        stats = run.call("drafter", fwd_bwd)
+        self.flat[self.n_grad:self.n_grad + 1 + self.k].add_(stats)
+
+    def update(self, run: Run, idx: int, step: int, lr: float) -> None:
+        run.reducer(idx, self.flat, self.lane)
+        for group in self.opt.param_groups:
+            group["lr"] = lr
+        self.updating = True
+        self.opt.step()
+        self.updating = False
+        self.completed = step + 1
+
+
+# ------------------------------------------------------------------------------------------------ training
+def run_training(args: argparse.Namespace) -> int:
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    devices = parse_devices(args.devices)
+    cuda = devices[0].type == "cuda"
+    if not cuda or args.torch_threads:
+        torch.set_num_threads(args.torch_threads or 1)
+    if cuda:
+        torch.set_float32_matmul_precision("high")  # TF32 for whatever stays float32
+    masks.BUILDER = args.mask_builder
+    T, D = args.target_threads, args.drafter_threads
+    if args.layout == "threaded":
+        t_dev = [devices[j % len(devices)] for j in range(T)]
+        d_dev = [devices[(T + d) % len(devices)] for d in range(D)]
+    else:  # one worker per device (at most one per batch of the step), each running target and drafter
+        W = min(D, len(devices))
+        t_dev = d_dev = devices[:W]
+    if world > 1:
+        import torch.distributed as dist
+
+        backend = "nccl" if cuda else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(d_dev[0])
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.dist_timeout))
+    out = Path(args.out) if args.out and rank == 0 else None
+    log = metrics.MetricsLog(out / "metrics.jsonl" if out else None)
+    target_dtype = torch.bfloat16 if args.target_dtype == "bfloat16" else torch.float32
+    out_dtype = target_dtype if target_dtype != torch.float32 else None
+    k = args.ttt_steps
+
+    data = build_data(args)
+    first_dev = t_dev[0]
+    target0 = build_target(args, data, first_dev, target_dtype)
+    dcfg = drafter_config(args, target0)
+    topk = args.target_topk if 0 < args.target_topk < dcfg.vocab_size else 0
+
+    # One frozen target (and one compiled forward) per device, shared by the target threads on that device.
+    placed: Dict[torch.device, torch.nn.Module] = {first_dev: target0}
+
+    def target_on(dev: torch.device) -> torch.nn.Module:
+        if dev not in placed:
+            placed[dev] = replicate_target(target0, dev)
+        return placed[dev]
+
+    target_fns: Dict[torch.device, Callable] = {}
+    per_layer = args.target_compile_scope == "layer" and isinstance(target0, models.TargetLM)
+    block_fn = maybe_compile(args, models.call_block, args.target_compile_mode) if per_layer else None
+    for dev in dict.fromkeys(t_dev):
+        def fwd(tokens, pos, mask, tgt=target_on(dev)):
+            return models.target_features(tgt, tokens, pos, mask, topk, out_dtype)
+
+        if per_layer:  # eager around one compiled layer, shared by every layer (and device)
+            target_on(dev).block_fn = block_fn
+            target_fns[dev] = fwd
+        else:
+            target_fns[dev] = maybe_compile(args, fwd, args.target_compile_mode)
+    cudagraphs = args.target_compile_mode == "reduce-overhead" and not args.no_compile
+
+    # Identical drafter replicas: one seeded init (global RNG, on the CPU), copied to each thread's device.
+    torch.manual_seed(args.seed + 1)
+    buffer_dtype = torch.bfloat16 if args.autocast == "bf16" else torch.float32
+    proto = models.Drafter(dcfg, target0.input_embedding(), target0.output_embedding(), buffer_dtype)
+    lanes = [Lane(dev, args.streams) for dev in d_dev]
+    replicas: List[Replica] = []
+    for dev, lane in zip(d_dev, lanes):
+        model = copy.deepcopy(proto).to(dev)
+        fused_opt = dict(fused=True) if dev.type == "cuda" and args.fused_optimizer else {}
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, **fused_opt)
+        replicas.append(Replica(model, opt, lane, k))
+    del proto
+    start_step = 0
+    if args.resume:
+        ckpt = checkpoint.find(Path(args.resume))
+        for rep in replicas:
+            start_step = checkpoint.load(ckpt, rep.model, rep.opt)
+            rep.completed = start_step
+        print(f"resumed from {ckpt} at step {start_step}", flush=True)
+        if start_step >= args.steps:
+            print(f"train.py: error: --resume {args.resume} is at step {start_step}, not before --steps "
+                  f"{args.steps}: nothing to train", file=sys.stderr, flush=True)
+            return 2
+    loss_fn = maybe_compile(args, models.ttt_loss, args.drafter_compile_mode)
+    evalset = EvalSet.build(args, data, target_on(d_dev[0]), d_dev[0]) if rank == 0 else None
+
+    run = Run(args, rank=rank, world=world)
+    n_grad = replicas[0].n_grad
+
+    def clip(total: torch.Tensor) -> None:
+        g = total[:n_grad]
+        norm = g.norm()
+        total[-1] = norm
+        if args.grad_clip > 0:
+            g.mul_(torch.clamp(args.grad_clip / (norm + 1e-6), max=1.0))
+
+    run.reducer = Reducer(len(replicas), D, world, clip)
+    tokens_per_batch = args.batch_size * args.seq_len
+    summary: Dict[str, Any] = {"tau_initial": None, "tau_final": None}
+    leader = replicas[0]
+    stats_log = StatsLog(leader.lane, args.pin_memory)
+    timer = PhaseTimer(cuda)
+    mark_after = start_step + args.measure_after
+    prof_range = None
+    if args.profile and rank == 0:
+        a, b = (int(x) for x in (args.profile_steps or f"{mark_after + 1}:{mark_after + 6}").split(":"))
+        prof_range = (a, b)
+    profiler: List[Any] = []
+    saved: Dict[str, Any] = {"step": None}
+
+    if evalset is not None:
+        ev = evalset.evaluate(leader.model, args)
+        summary["tau_initial"] = ev["tau"]
+        log.write({"kind": "eval", "step": start_step, **ev})
+        print(f"τ of the drafter at step {start_step} (before training): {ev['tau']:.3f}  accept={ev['accept']}",
+              flush=True)
+    if cuda:
+        # Worker streams do not wait for the default streams, on which everything above was built.
+        sync_all(devices)
+    keys = mean_attended_keys(data)
+    flop_counts = {"target": flops.target_flops_per_token(target_shape(args, target0), keys),
+                   "drafter": flops.drafter_flops_per_token(
+                       flops.Shape(dcfg.vocab_size, dcfg.dim, dcfg.heads, dcfg.kv_heads or dcfg.heads, dcfg.ffn),
+                       k, keys)}
+    progress = metrics.Progress(args.steps, start_step, args.log_every) if rank == 0 else None
+
+    def write_records(items, taus: Dict[int, float]) -> None:
+        for step, vals, extra in items:
+            loss, acc, gnorm = vals[0], vals[1:1 + k], vals[-1]
+            summary.setdefault("loss_first", loss)
+            summary["loss_last"] = loss
+            log.write({"kind": "train", "step": step, "loss": round(loss, 6), "acc": [round(a, 4) for a in acc],
+                       "grad_norm": round(gnorm, 4), **extra})
+            info = {"loss": f"{loss:.3f}", "acc0": f"{acc[0]:.2f}"}
+            if step in taus:
+                info["tau"] = f"{taus[step]:.2f}"
+            if progress is not None:
+                progress.update(step, args.steps, info)
+
+    def after_step(step: int) -> None:
+        """Leader only, after optimizer step ``step`` was issued: measurement marks, logging, evaluation,
+        checkpoints. Only evaluation and checkpoints wait for the GPU."""
+        if step == mark_after:
+            if cuda:
+                sync_all(devices)
+            run.throughput.mark()
+        if step == args.steps:
+            if cuda:
+                sync_all(devices)
+            run.throughput.close()
+        if prof_range is not None:
+            if step == prof_range[0] and not profiler:
+                profiler.append(start_profiler(cuda))
+            elif step == prof_range[1] and profiler:
+                stop_profiler(profiler.pop(), Path(args.profile), cuda)
+        if rank != 0:
+            return
+        stats_log.push(step, leader.flat[n_grad:], {"lr": lr_at(args, step - 1),
+                                                     "elapsed_s": round(time.monotonic() - run.throughput.start, 2)})
+        taus: Dict[int, float] = {}
+        eval_due = evalset is not None and ((args.eval_every and step % args.eval_every == 0) or step == args.steps)
+        save_due = out is not None and not args.no_checkpoint and (
+            step == args.steps or (args.save_every and step % args.save_every == 0))
+        if eval_due:
+            ev = evalset.evaluate(leader.model, args)
+            summary["tau_final"] = ev["tau"]
+            log.write({"kind": "eval", "step": step, **ev})
+            taus[step] = ev["tau"]
+        write_records(stats_log.drain(wait=eval_due or save_due), taus)
+        if save_due:
+            save_checkpoint(out, leader, step, args, D * world)
+            saved["step"] = step
+
+    def target_loop(j: int) -> None:
+        lane = t_lanes[j]
+        fn = target_fns[t_dev[j]]
+        with lane.context():
+            n = start_step * D + (j - start_step * D) % T  # local batch numbers n ≡ j (mod T), in increasing order
+            while n < args.steps * D:
+                s, d = divmod(n, D)
+                if j == 0:
+                    inject_fault(args, "target", s)
+                feats = target_step(run, args, data, fn, lane, (s * world + rank) * D + d, s, cudagraphs, timer)
+                run.put(queues[d], (n, feats, lane.record()))
+                run.throughput.add("target", tokens_per_batch)
+                n += T
+
+    def drafter_loop(d: int) -> None:
+        rep = replicas[d]
+        with rep.lane.context():
+            pending: Dict[int, Tuple] = {}
+            for s in range(start_step, args.steps):
+                n = s * D + d
+                if d == 0:
+                    inject_fault(args, "drafter", s)
+                while n not in pending:
+                    got_n, item, ev = run.get(queues[d])
+                    pending[got_n] = (item, ev)
+                item, ev = pending.pop(n)
+                feats = rep.lane.fetch(item, ev)
+                del item
+                started = timer.start()
+                rep.forward_backward(run, args, loss_fn, feats, first=True)
+                del feats
+                rep.update(run, d, s, lr_at(args, s))
+                timer.stop("drafter", s + 1, started)
+                run.throughput.add("drafter", tokens_per_batch)
+                if d == 0:
+                    after_step(s + 1)
+                    run.steps_done = s + 1
+                    run.last_progress = time.monotonic()
+
+    def sequential_loop(w: int) -> None:
+        rep = replicas[w]
+        fn = target_fns[d_dev[w]]
+        mine = [d for d in range(D) if d % len(replicas) == w]
+        with rep.lane.context():
+            for s in range(start_step, args.steps):
+                if w == 0:
+                    inject_fault(args, "target", s)
+                    inject_fault(args, "drafter", s)
+                for m, d in enumerate(mine):
+                    feats = target_step(run, args, data, fn, rep.lane, (s * world + rank) * D + d, s, cudagraphs,
+                                        timer)
+                    run.throughput.add("target", tokens_per_batch)
+                    started = timer.start()  # drafter interval per batch; the last one includes the update
+                    rep.forward_backward(run, args, loss_fn, feats, first=(m == 0))
+                    del feats
+                    if m == len(mine) - 1:
+                        rep.update(run, w, s, lr_at(args, s))
+                    timer.stop("drafter", s + 1, started)
+                run.throughput.add("drafter", tokens_per_batch * len(mine))
+                if w == 0:
+                    after_step(s + 1)
+                    run.steps_done = s + 1
+                    run.last_progress = time.monotonic()
+
+    if args.layout == "threaded":
+        t_lanes = [Lane(dev, args.streams) for dev in t_dev]
+        queues = [queue.Queue(maxsize=args.queue_size) for _ in range(D)]
+        threads = [worker(run, f"target-{j}@{t_dev[j]}", lambda j=j: target_loop(j)) for j in range(T)]
+        threads += [worker(run, f"drafter-{d}@{d_dev[d]}", lambda d=d: drafter_loop(d)) for d in range(D)]
+    else:
+        threads = [worker(run, f"sequential-{w}@{d_dev[w]}", lambda w=w: sequential_loop(w))
+                   for w in range(len(replicas))]
+    util = None
+    if cuda and args.gpu_util == "auto":
+        util = metrics.GpuUtil(sorted({d.index for d in list(t_dev) + list(d_dev)}))
+    run.gpu_util = util
+    if args.measure_after == 0:
+        run.throughput.mark()
+    status = supervise(run, threads)
+    if progress is not None:
+        progress.close()
+    for p in profiler:
+        stop_profiler(p, Path(args.profile), cuda)
+
+    # ------------------------------------------------------------------------------------------- summary
+    sync_error = None
+    if cuda:
+        try:
+            sync_all(devices)
+        except Exception as e:  # a sticky CUDA error from a dead thread
+            sync_error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    run.throughput.close()
+    if util is not None:
+        util.close()
+    if rank == 0 and sync_error is None:
+        write_records(stats_log.drain(wait=True), {})
+    kept: Optional[Tuple[str, int]] = None
+    if status == "error" and out is not None and not args.no_checkpoint:
+        if sync_error is None:
+            kept = emergency_checkpoint(out, replicas, saved.get("step"), start_step, args, D * world)
+        elif saved.get("step") is not None:
+            kept = (str(out / f"ckpt-{saved['step']:06d}"), saved["step"])
+    checksum = float(sum(p.detach().double().sum().cpu() for p in leader.model.parameters())) if sync_error is None else float("nan")
+    print(f"PARAM_CHECKSUM rank={rank} {checksum:.10e}", flush=True)
+    peak = None
+    if cuda:
+        peak = sum(torch.cuda.max_memory_allocated(d) for d in dict.fromkeys(devices))
+    tp = run.throughput.summary()
+    gpus = len({d for d in list(t_dev) + list(d_dev) if d.type == "cuda"})
+    peak_t = {kind: (args.peak_tflops or (flops.peak_tflops(torch.cuda.get_device_name(devices[0]), bf16) if cuda else None))
+              for kind, bf16 in (("target", target_dtype == torch.bfloat16), ("drafter", args.autocast == "bf16"))}
+    mfu = {kind: flops.mfu(flop_counts[kind], (tp.get(kind) or {}).get("steady_tokens_per_s"), peak_t[kind], gpus)
+           for kind in ("target", "drafter")}
+    phases = timer.summary(mark_after) if cuda and sync_error is None else {}
+    for kind, ph in phases.items():  # every interval covers one batch (see the loops)
+        if peak_t.get(kind):
+            ph["mfu_in_interval"] = round(flop_counts[kind] * tokens_per_batch / (ph["mean_ms"] / 1e3) / 1e12
+                                          / peak_t[kind], 4)
+    mfu["peak_tflops_per_gpu"] = peak_t
+    mfu["gpus"] = gpus
+    mfu["mean_attended_keys"] = round(keys, 1)
+    mfu["phases"] = phases
+    gpu_util = util.mean(run.throughput.window()) if util is not None else None
+    first = run.errors.first_exc
+    summary.update({
+        "status": status, "layout": args.layout, "steps_done": run.steps_done, "start_step": start_step,
+        "steps": args.steps, "rank": rank, "world_size": world,
+        "threads": {"target": T, "drafter": D} if args.layout == "threaded" else {"sequential": len(replicas)},
+        "devices": {"target": [str(x) for x in t_dev], "drafter": [str(x) for x in d_dev]},
+        "throughput": tp, "mfu": mfu, "gpu_util_pct": gpu_util,
+        "gpu_util_source": (util.source or util.reason) if util is not None else None,
+        "compile": metrics.compile_counts(),
+        "errors": {"total": run.errors.total(), "counted": dict(run.errors.counts), "first": run.errors.first,
+                   "first_line": one_line(first) if first is not None else None},
+        "checkpoint_kept": kept[0] if kept else None, "hung": False, "peak_gpu_mem_bytes": peak, "param_checksum": checksum,
+        "ttc_disable_env": os.environ.get("TTC_DISABLE"), "ttc": metrics.ttc_status(),
+        "torch": torch.__version__, "wall_s": round(time.monotonic() - run.throughput.start, 2),
+        "config": {k_: v for k_, v in vars(args).items()},
+    })
+    if out is not None:
+        note = metrics.plot(log.records, out / "metrics.png")
+        if note:
+            print(note, flush=True)
+            summary["plot"] = note
+        (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    log.close()
+    if rank == 0:
+        print("SUMMARY " + json.dumps(short_summary(summary, out), default=str), flush=True)
+    if status == "error":
+        print(f"\nFATAL: a worker thread failed; first error:\n{run.errors.first}", file=sys.stderr, flush=True)
+        where = f"checkpoint of step {kept[1]} kept: {kept[0]}" if kept else "no checkpoint written"
+        print(f"train.py: error: {summary['errors']['first_line']} (last completed step {run.steps_done}; {where})",
+              file=sys.stderr, flush=True)
+    if world > 1 and status == "ok":
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+    return {"ok": 0, "error": 1, "interrupted": 130}[status]
+
+
+def sync_all(devices: Sequence[torch.device]) -> None:
+    for dev in dict.fromkeys(devices):
+        torch.cuda.synchronize(dev)
+
+
+def target_step(run: Run, args: argparse.Namespace, data, fn: Callable, lane: Lane, index: int, step: int,
+                cudagraphs: bool, timer: PhaseTimer) -> Tuple[torch.Tensor, ...]:
+    """One target forward on the lane: data (a pure function of ``index``), mask, compiled forward."""
+    batch = data.batch(index)
+    tokens, doc, pos = upload(batch, lane, args.pin_memory)
+    mask = masks.target_mask(doc, dense=bool(args.target_hf))
+    started = timer.start()
+
+    def forward():
+        with torch.no_grad():
+            if cudagraphs:
+                torch.compiler.cudagraph_mark_step_begin()
+                # CUDA-graph outputs are overwritten by the next replay: hand the drafters copies.
+                return tuple(t.clone() for t in fn(tokens, pos, mask))
+            return fn(tokens, pos, mask)
+
+    fused, vals, idx = run.call("target", forward)
+    timer.stop("target", step + 1, started)
+    return fused, vals, idx, tokens, pos, doc
+
+
+def save_checkpoint(out: Path, rep: Replica, step: int, args: argparse.Namespace, batches_per_step: int) -> str:
+    path = out / f"ckpt-{step:06d}"
+    checkpoint.save(path, rep.model, rep.opt, step, {"data_position": step * batches_per_step,
+                                                     "config": vars(args)})
+    return str(path)
+
+
+def emergency_checkpoint(out: Path, replicas: List[Replica], saved_step: Optional[int], start_step: int,
+                         args: argparse.Namespace, batches_per_step: int) -> Optional[Tuple[str, int]]:
+    """After a thread died: the state of the last step the replicas completed (replicas are identical after a
+    completed step; one caught inside its optimizer update is skipped), unless that step is already saved.
+    Returns (path, step) of the checkpoint that holds the last completed step, or None."""
+    usable = [r for r in replicas if not r.updating]
+    if not usable:
+        return None
+    rep = max(usable, key=lambda r: r.completed)
+    if saved_step is not None and saved_step >= rep.completed:
+        return str(out / f"ckpt-{saved_step:06d}"), saved_step
+    if rep.completed <= start_step:
+        return None
+    try:
+        return save_checkpoint(out, rep, rep.completed, args, batches_per_step), rep.completed
+    except Exception as e:  # the device may be unusable after the failure
+        print(f"checkpoint of step {rep.completed} not written: {one_line(e)}", file=sys.stderr, flush=True)
+        return None
+
+
+def one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:200]}" if text else type(exc).__name__
+
+
+def start_profiler(cuda: bool):
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    try:  # every thread's ops, not only the profiling thread's (torch >= 2.7)
+        from torch.profiler import _ExperimentalConfig
+
+        prof = profile(activities=activities, experimental_config=_ExperimentalConfig(profile_all_threads=True))
+    except (ImportError, TypeError):
+        prof = profile(activities=activities)
+    prof.__enter__()
+    return prof
+
+
+def stop_profiler(prof, directory: Path, cuda: bool) -> None:
+    prof.__exit__(None, None, None)
+    directory.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(str(directory / "trace.json"))
+    avg = prof.key_averages()
+    parts = []
+    for key in (["self_device_time_total"] if cuda else []) + ["self_cpu_time_total"]:
+        try:
+            parts.append(f"sorted by {key}\n" + avg.table(sort_by=key, row_limit=30))
+        except Exception as e:  # older names (self_cuda_time_total)
+            parts.append(f"sorted by {key}: {e}")
+    (directory / "ops.txt").write_text("\n\n".join(parts))
+
+
+def short_summary(s: Dict[str, Any], out: Optional[Path]) -> Dict[str, Any]:
+    """The one-line ``SUMMARY`` (stdout); everything else, the full TTC status included, is in summary.json."""
+    tp = {kind: {"tokens": v.get("tokens"), "steady_tokens_per_s": v.get("steady_tokens_per_s"),
+                 "time_to_first_step_s": v.get("time_to_first_step_s")}
+          for kind, v in s["throughput"].items() if kind in ("target", "drafter")}
+    ttc = s.get("ttc") or {}
+    return {
+        "status": s["status"], "layout": s["layout"], "steps_done": s["steps_done"], "start_step": s["start_step"],
+        "world_size": s["world_size"], "threads": s["threads"], "tau_initial": s.get("tau_initial"),
+        "tau_final": s.get("tau_final"), "loss_first": s.get("loss_first"), "loss_last": s.get("loss_last"),
+        "throughput": tp, "mfu": {k: (s["mfu"].get(k) or {}).get("mfu") for k in ("target", "drafter")},
+        "gpu_util_pct": s.get("gpu_util_pct"),
+        "peak_gpu_mem_mib": round(s["peak_gpu_mem_bytes"] / 2**20) if s.get("peak_gpu_mem_bytes") else None,
+        "compile": {k: s["compile"].get(k) for k in ("unique_graphs", "recompiles")},
+        "errors": {"total": s["errors"]["total"], "first": s["errors"]["first_line"]},
+        "ttc": "disabled" if s.get("ttc_disable_env") == "1" else ("active" if ttc.get("importable") else "absent"),
+        "summary_json": str(out / "summary.json") if out is not None else None,
+    }
+
+
+def supervise(run: Run, threads: List[threading.Thread]) -> str:
+    """Main thread: start workers, watch for hangs, handle Ctrl-C. Returns 'ok', 'error' or 'interrupted'
+    (a hang exits the process from here: hung threads cannot be joined)."""
+    timeout = run.args.hang_timeout
+    run.last_progress = time.monotonic()
+    for t in threads:
+        t.start()
+    try:
+        while any(t.is_alive() for t in threads):
+            # Backstop if this thread itself stops running: faulthandler's own thread dumps stacks and exits.
+            faulthandler.dump_traceback_later(timeout * 1.5 + 60, exit=True)
+            for t in threads:
+                t.join(timeout=0.2)
+            idle = time.monotonic() - run.last_progress
+            if idle > timeout and not run.stop.is_set():
+                hang_exit(run, idle)
+    except KeyboardInterrupt:
+        print("\ninterrupted: stopping worker threads ...", file=sys.stderr, flush=True)
+        run.halt()
+        deadline = time.monotonic() + 60
+        for t in threads:
+            t.join(timeout=max(0.1, deadline - time.monotonic()))
+        faulthandler.cancel_dump_traceback_later()
+        return "interrupted"
+    faulthandler.cancel_dump_traceback_later()
+    return "error" if run.errors.first is not None else "ok"
+
+
+def hang_exit(run: Run, idle: float) -> None:
+    print(f"\nHANG DETECTED: no drafter step completed in {idle:.0f} s (--hang-timeout {run.args.hang_timeout:g}); "
+          f"last completed step {run.steps_done}. Stacks of all threads follow.", file=sys.stderr, flush=True)
+    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+    summary = {"status": "hung", "hung": True, "steps_done": run.steps_done, "idle_s": round(idle, 1),
+               "errors": {"total": run.errors.total(), "counted": dict(run.errors.counts)},
+               "ttc_disable_env": os.environ.get("TTC_DISABLE")}
+    if getattr(run, "gpu_util", None) is not None:
+        run.gpu_util.close()
+    if run.args.out and run.rank == 0:
+        Path(run.args.out, "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    print("SUMMARY " + json.dumps(summary, default=str), flush=True)
+    print(f"train.py: error: hang: no drafter step completed in {idle:.0f} s (last completed step {run.steps_done})",
+          file=sys.stderr, flush=True)
+    sys.stderr.flush()
+    os._exit(3)
