@@ -10,6 +10,7 @@ it is imported from the source tree (the repository root on ``sys.path``).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
@@ -838,6 +839,63 @@ def aot_compile_main() -> dict[str, Any]:
         return {"available": True, "ok": bool(torch.allclose(fn(x), f(x))), "error": ""}
     except Exception as e:
         return {"available": True, "ok": False, "error": f"{type(e).__name__}: {str(e)[:160]}"}
+
+
+@scenario
+def backward_lock_wait(worker: int = 1, hold_s: float = 5.0) -> dict[str, Any]:
+    """H4's two halves on a CPU: a compiled graph whose backward compiler takes ``compile_lock`` (as inductor's
+    does from torch 2.6); another thread holds that lock (as a thread tracing flex_attention's backward does
+    while it waits for the autograd engine). Does this thread's backward finish within ``hold_s``?
+
+    ``worker=1`` makes the package treat the CPU as a device whose backward runs on an autograd worker thread
+    (as CUDA's does), so that ``lazy_backward`` acts as it would on a GPU; unpatched it changes nothing."""
+    import torch
+    import torch._dynamo
+    import torch._dynamo.convert_frame as cf
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    import torch_threadsafe_compile as ttc
+
+    if worker and ttc.is_patched("lazy_backward"):
+        from torch_threadsafe_compile.patches import lazy_backward
+
+        lazy_backward.BACKWARD_IN_CALLING_THREAD = frozenset()
+    events: list[str] = []
+
+    def fw(gm: Any, ex: Any) -> Any:
+        events.append("fw")
+        return make_boxed_func(gm.forward)
+
+    # Inductor's backward compiler takes compile_lock from torch 2.6 on; before, it does not (and H4 cannot occur).
+    takes_lock = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 6)
+
+    def bw(gm: Any, ex: Any) -> Any:
+        with cf.compile_lock if takes_lock else contextlib.nullcontext():
+            events.append("bw")
+            return make_boxed_func(gm.forward)
+
+    f = torch.compile(lambda x: (x * 3).sin().sum(), backend=aot_autograd(fw_compiler=fw, bw_compiler=bw))
+    x = torch.randn(8, requires_grad=True)
+    y = f(x)
+    compiled_with_forward = "bw" in events
+    held, release, done = threading.Event(), threading.Event(), threading.Event()
+
+    def holder() -> None:
+        with cf.compile_lock:
+            held.set()
+            release.wait(60)
+
+    threading.Thread(target=holder, daemon=True).start()
+    held.wait(30)
+    t0 = time.monotonic()
+    threading.Thread(target=lambda: (y.backward(), done.set()), daemon=True).start()
+    finished = done.wait(hold_s)
+    release.set()
+    done.wait(60)
+    return {"backward_compiled_with_forward": compiled_with_forward, "backward_blocked": not finished,
+            "backward_s": round(time.monotonic() - t0, 2),
+            "grad_ok": bool(x.grad is not None and torch.allclose(x.grad, 3 * torch.cos(3 * x)))}
 
 
 def _env(env: dict[str, str] | None) -> dict[str, str]:

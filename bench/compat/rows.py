@@ -119,6 +119,11 @@ def _export_errors_show(r: Result) -> str:
     return f"{_n(r['compile_errors'] + r['export_errors'])} errors"
 
 
+def _backward_wait_show(r: Result) -> str:
+    how = "compiled with the forward" if r["backward_compiled_with_forward"] else "compiled lazily"
+    return f"{'blocked' if r['backward_blocked'] else 'finished'} ({how})"
+
+
 ROWS: List[Row] = [
     Row("fx_flag_leak", "H1", "FX tracing flag leaks to other threads", "fx_flag_leak", {}, "fx_tracing_flag",
         lambda r: r["errors"] > 0, _errors_show, ("errors",)),
@@ -150,5 +155,8 @@ ROWS: List[Row] = [
     Row("export_vs_compile", "H7", "compiles in 3 threads while one exports (errors)", "export_vs_compile",
         {"seconds": 6}, "export_lock", lambda r: r["compile_errors"] + r["export_errors"] > 0, _export_errors_show,
         ("compile_errors", "export_errors")),
+    Row("backward_lock_wait", "H4", "a backward on a worker device waits for compile_lock held by another thread "
+        "(mechanism of the deadlock, CPU)", "backward_lock_wait", {}, "lazy_backward",
+        lambda r: r["backward_blocked"] or not r["grad_ok"], _backward_wait_show, ("backward_blocked",)),
 ]
 ROW_KEYS = [r.key for r in ROWS]
