@@ -653,6 +653,10 @@ def _why(r: dict[str, Any]) -> Any:
     return r.get("kinds") or r.get("exception") or r.get("exit_problem")
 
 
+def _row(*cells: Any) -> str:
+    return "| " + " | ".join(_fmt(x) for x in cells) + " |"
+
+
 def tables(rows: list[dict[str, Any]]) -> str:
     out = []
     lay = [r for r in rows if r["scenario"] in LAYOUTS]
@@ -660,11 +664,11 @@ def tables(rows: list[dict[str, Any]]) -> str:
         out += ["| layout | package | threads | ok | calls | errors | mismatches | threads with replays | threads with own tree | min replays/thread | fallbacks | graphs | wall s | errors seen |",
                 "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in lay:
-            out.append("| " + " | ".join(_fmt(x) for x in (r["scenario"][7:], r["package"], r.get("threads"), r.get("ok"), r.get("ok_calls"),
+            out.append(_row(r["scenario"][7:], r["package"], r.get("threads"), r.get("ok"), r.get("ok_calls"),
                                                                 r.get("errors"), r.get("mismatches"), r.get("threads_with_replays"),
                                                                 r.get("threads_with_own_tree"), r.get("min_replays"),
                                                                 r.get("fallbacks"), r.get("graphs"), r.get("wall_s", r.get("job_wall_s")),
-                                                                _why(r))) + " |")
+                                                                _why(r)))
         out.append("")
     tr = [r for r in rows if r["scenario"] == "training"]
     if tr:
@@ -673,10 +677,10 @@ def tables(rows: list[dict[str, Any]]) -> str:
         for r in tr:
             b = r.get("baseline") or {}
             base = f"errors {b.get('errors')}, eager match {_fmt(b.get('matches_eager'))}, replays {_fmt(b.get('replays'))}" if b else None
-            out.append("| " + " | ".join(_fmt(x) for x in ("step", r["package"], r.get("threads"), r.get("ok"), r.get("errors"),
+            out.append(_row("step", r["package"], r.get("threads"), r.get("ok"), r.get("errors"),
                                                                 r.get("threads_matching_eager"), r.get("threads_with_fwd_bwd_replays"),
                                                                 r.get("threads_with_opt_replays"), base, r.get("wall_s", r.get("job_wall_s")),
-                                                                _why(r))) + " |")
+                                                                _why(r)))
         out.append("")
     mem = [r for r in rows if r["scenario"] == "memory"]
     if mem:
@@ -685,9 +689,9 @@ def tables(rows: list[dict[str, Any]]) -> str:
         for r in mem:
             rv = r.get("reserved_mib") or {}
             res_s = " / ".join(_fmt(rv.get(k)) for k in ("start", "threads_alive", "threads_ended", "after_reset")) if rv else None
-            out.append("| " + " | ".join(_fmt(x) for x in ("pools", r["package"], r.get("threads"), r.get("ok"), r.get("main_pool_mib"),
+            out.append(_row("pools", r["package"], r.get("threads"), r.get("ok"), r.get("main_pool_mib"),
                                                                 r.get("thread_pool_mib_mean"), r.get("thread_pools_left_after_end_mib"),
-                                                                r.get("main_pool_after_reset_mib"), res_s, _why(r))) + " |")
+                                                                r.get("main_pool_after_reset_mib"), res_s, _why(r)))
         out.append("")
     h4 = [r for r in rows if r["scenario"] == "h4"]
     if h4:
@@ -699,11 +703,11 @@ def tables(rows: list[dict[str, Any]]) -> str:
                 continue
             walls = [r.get("wall_s") for r in sel if r.get("completed") and r.get("wall_s") is not None]
             reps = [r.get("target_replays") for r in sel if r.get("completed")]
-            out.append("| " + " | ".join(_fmt(x) for x in (
+            out.append(_row(
                 pkg, len(sel), sum(bool(r.get("completed")) for r in sel), sum(bool(r.get("hung")) for r in sel),
                 sum(1 for r in sel if r.get("completed") and r.get("errors")), sum(1 for r in sel if r.get("skipped")),
                 min(reps) if reps else None,
-                f"{min(walls):g}–{max(walls):g}" if walls else None)) + " |")
+                f"{min(walls):g}–{max(walls):g}" if walls else None))
         out.append("")
     return "\n".join(out)
 

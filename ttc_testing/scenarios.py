@@ -25,6 +25,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 __all__ = ["SCENARIOS", "run", "start_many", "collect_many"]
 
 
+def _run_for(ts: list[threading.Thread], seconds: float, stop: threading.Event) -> None:
+    """Start ``ts``, let them run for ``seconds``, then set ``stop`` and join them."""
+    for t in ts:
+        t.start()
+    time.sleep(seconds)
+    stop.set()
+    for t in ts:
+        t.join()
+
+
 def _maybe_late_install(late: bool) -> None:
     """For ``late=1``: undo start-up activation now, and re-install after the caller compiled."""
     if late:
@@ -541,12 +551,7 @@ def failing_neighbour(seconds: float = 8.0, targets: int = 4, fail_s: float = 1.
             last = now
 
     ts = [threading.Thread(target=neighbour)] + [threading.Thread(target=target, args=(i,)) for i in range(targets)]
-    for t in ts:
-        t.start()
-    time.sleep(seconds)
-    stop.set()
-    for t in ts:
-        t.join()
+    _run_for(ts, seconds, stop)
     return dict(counts, max_warm_call_s=round(max_gap[0], 3), seconds=seconds)
 
 
@@ -613,12 +618,7 @@ def reset_under_load(seconds: float = 10.0, threads: int = 6, reset_every: float
 
     ts = [threading.Thread(target=caller, args=(i,)) for i in range(threads)]
     ts += [threading.Thread(target=resetter), threading.Thread(target=configurer)]
-    for t in ts:
-        t.start()
-    time.sleep(seconds)
-    stop.set()
-    for t in ts:
-        t.join()
+    _run_for(ts, seconds, stop)
     return dict(counts, first_error=first_error[0] if first_error else "")
 
 
@@ -812,12 +812,7 @@ def trace_beside_compiles(seconds: float = 10.0, compilers: int = 2) -> dict[str
     torch.compile(lambda x: x + 1, backend="aot_eager")(torch.randn(2))
     ts = [threading.Thread(target=compiler, args=(i,)) for i in range(compilers)]
     ts += [threading.Thread(target=tracer), threading.Thread(target=exporter)]
-    for t in ts:
-        t.start()
-    time.sleep(seconds)
-    stop.set()
-    for t in ts:
-        t.join()
+    _run_for(ts, seconds, stop)
     return dict(counts, seconds=seconds)
 
 
