@@ -6,8 +6,8 @@ import sys
 from typing import Any
 
 from torch_threadsafe_compile import _env, _lifecycle, _state
-from torch_threadsafe_compile._version import __version__
 from torch_threadsafe_compile._lifecycle import State
+from torch_threadsafe_compile._version import __version__
 
 __all__ = ["build", "patch_state"]
 
