@@ -1,7 +1,8 @@
 """``python -m torch_threadsafe_compile [--version] doctor [--selftest] [--json] [--no-dynamo]``.
 
 ``doctor`` imports torch (and, to show every patch's real state, the torch modules the patches target:
-``torch._dynamo``, ``torch._functorch.aot_autograd``, ``torch.export._trace``; ``--no-dynamo`` skips them),
+``torch._dynamo``, ``torch._functorch.aot_autograd``, ``torch.export._trace``,
+``torch._inductor.cudagraph_trees``; importing them initialises no device; ``--no-dynamo`` skips them),
 then prints versions, how activation happened, and one row per patch. ``--selftest`` runs the hazard
 scenarios in subprocesses, unpatched (``TTC_DISABLE=1``) and active, and prints a before/after table.
 """
@@ -16,7 +17,8 @@ from typing import Any
 from torch_threadsafe_compile._version import __version__
 
 # Imported by doctor so that every patch can settle (they apply when these are imported).
-TARGET_MODULES = ("torch._dynamo", "torch._functorch.aot_autograd", "torch.export._trace")
+TARGET_MODULES = ("torch._dynamo", "torch._functorch.aot_autograd", "torch.export._trace",
+                  "torch._inductor.cudagraph_trees")
 CODE_CACHE = ("none: rewritten functions are compiled at activation from torch's own source, after checking "
               "that it is the code that runs; nothing is read from or written to disk")
 
