@@ -44,7 +44,9 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
     ap.add_argument("--only", nargs="+", metavar="ROW", choices=ROW_KEYS,
                     help="run only these scenario rows (for a quick check)")
     ap.add_argument("--json", metavar="PATH", help="also dump the raw results (paths scrubbed) as JSON")
-    ap.add_argument("--from-json", metavar="PATH", help="run nothing: re-render --out from a --json dump")
+    ap.add_argument("--from-json", metavar="PATH", nargs="+",
+                    help="run nothing: render --out from --json dumps (several: runs of the same commit over "
+                         "different versions, e.g. one venv at a time where disk is short; merged in version order)")
     return ap
 
 
@@ -87,12 +89,36 @@ def _measure(args: argparse.Namespace, argv: List[str], jobs: List[Job], rows: L
     return results, meta
 
 
-def _load(path: str) -> Tuple[Results, Meta, List[Row]]:
+def _load_one(path: str) -> Tuple[Results, Meta, List[Row]]:
     dump = json.loads(Path(path).read_text())
     meta = {k: dump.get(k) for k in ("command", "date", "secs", "end_revision")}
     meta["revision"] = dump.get("revision", "unknown")
     keys = set(dump.get("rows") or ROW_KEYS)
     return dump["results"], meta, [r for r in ROWS if r.key in keys]
+
+
+def _load(paths: List[str]) -> Tuple[Results, Meta, List[Row]]:
+    """One dump, or several of the same commit (each its own versions) merged: results in version order, the
+    commands one per line, the durations summed; dumps of different commits are refused."""
+    parts = [_load_one(p) for p in paths]
+    results, meta, rows = parts[0]
+    for other, m, r in parts[1:]:
+        if m["revision"] != meta["revision"]:
+            raise SystemExit(f"--from-json: dumps of different commits ({meta['revision']} vs {m['revision']})")
+        results = results + other
+        rows = [row for row in rows if row in r]
+        meta["secs"] = (meta["secs"] or 0) + (m["secs"] or 0)
+        meta["end_revision"] = m["end_revision"]
+    if len(parts) > 1:
+        commands = list(dict.fromkeys(m["command"] for _, m, _ in parts))
+        meta["command"] = "\n".join(commands) + f"\n# {len(parts)} runs of one commit, rendered together with --from-json"
+    by_version: Dict[str, Dict[str, Any]] = {}
+    for r in results:  # a version run twice (a venv that could not be made, then was): the run that worked
+        if r["version"] not in by_version or "error" in by_version[r["version"]]:
+            by_version[r["version"]] = r
+    order = {v: i for i, v in enumerate(DEFAULT_VERSIONS)}
+    results = sorted(by_version.values(), key=lambda r: order.get(r["version"], len(order)))
+    return results, meta, rows
 
 
 def main(argv: Optional[List[str]] = None, doc: str = "") -> int:
