@@ -11,7 +11,7 @@ from contextvars import ContextVar
 from typing import Any, Callable, ContextManager
 
 __all__ = [
-    "loaded", "compile_lock", "holds_compile_lock", "compile_lock_or_null", "skip_code", "cache_entry_lister",
+    "loaded", "present_callables", "compile_lock", "holds_compile_lock", "compile_lock_or_null", "skip_code", "cache_entry_lister",
     "CONFIG_MODULE", "config_unset", "config_entries", "reset_config_caches",
 ]
 
@@ -23,6 +23,16 @@ EVAL_FRAME = "torch._dynamo.eval_frame"
 def loaded(name: str) -> types.ModuleType:
     """An imported torch module (a patch only runs once its modules are imported: ``KeyError`` otherwise)."""
     return sys.modules[name]
+
+
+def present_callables(targets: tuple[tuple[str, str], ...]) -> list[tuple[types.ModuleType, str]]:
+    """The ``(module, attribute)`` pairs of ``targets`` whose module is imported and whose attribute is callable."""
+    out = []
+    for mod_name, attr in targets:
+        mod = sys.modules.get(mod_name)
+        if mod is not None and callable(getattr(mod, attr, None)):
+            out.append((mod, attr))
+    return out
 
 
 # -- dynamo's compile lock ------------------------------------------------------------------------------

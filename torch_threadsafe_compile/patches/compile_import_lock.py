@@ -26,7 +26,7 @@ import threading
 from typing import Any, Callable
 
 from torch_threadsafe_compile._patching import Changes
-from torch_threadsafe_compile._torch import loaded
+from torch_threadsafe_compile._torch import loaded, present_callables
 from torch_threadsafe_compile.registry import PatchSpec
 
 SPEC = PatchSpec(
@@ -52,12 +52,7 @@ ENTRY_POINTS = (("torch", "compile"), ("torch.export", "export"))
 
 
 def _entry_points() -> list[tuple[Any, str]]:
-    out = []
-    for mod_name, attr in ENTRY_POINTS:
-        mod = sys.modules.get(mod_name)
-        if mod is not None and callable(getattr(mod, attr, None)):
-            out.append((mod, attr))
-    return out
+    return present_callables(ENTRY_POINTS)
 
 
 def _serialized(original: Callable[..., Any]) -> Callable[..., Any]:

@@ -19,11 +19,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import sys
 from typing import Any, Callable, Iterator
 
 from torch_threadsafe_compile._patching import Changes
-from torch_threadsafe_compile._torch import compile_lock, compile_lock_first
+from torch_threadsafe_compile._torch import compile_lock, compile_lock_first, present_callables
 from torch_threadsafe_compile.registry import PatchSpec
 
 SPEC = PatchSpec(
@@ -43,12 +42,7 @@ TARGETS = (
 
 
 def _present() -> list[tuple[Any, str]]:
-    out = []
-    for mod_name, attr in TARGETS:
-        mod = sys.modules.get(mod_name)
-        if mod is not None and callable(getattr(mod, attr, None)):
-            out.append((mod, attr))
-    return out
+    return present_callables(TARGETS)
 
 
 def check() -> str | None:
