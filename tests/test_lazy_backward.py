@@ -23,55 +23,14 @@ TV = torch_version()
 
 H4_EXISTS = pytest.mark.skipif(TV < Version("2.6"), reason="before torch 2.6 the backward compiler does not take compile_lock: no H4")
 
-# A compile whose backward compiler takes compile_lock, as inductor's does from torch 2.6 (aot_eager's does
-# not; inductor itself would make each run compile C++ for tens of seconds on a CPU machine).
-MECHANISM = """
-import json, threading, time, torch, torch._dynamo
-import torch._dynamo.convert_frame as cf
-import torch_threadsafe_compile as ttc
-from torch._dynamo.backends.common import aot_autograd
-from torch._functorch.aot_autograd import make_boxed_func
-WORKER_DEVICE = {worker}
-if WORKER_DEVICE and ttc.is_patched("lazy_backward"):
-    # Treat the CPU as a device whose backward runs on an autograd worker thread (as CUDA's does), so
-    # that the mechanism can be exercised on a machine without a GPU.
-    from torch_threadsafe_compile.patches import lazy_backward
-    lazy_backward.BACKWARD_IN_CALLING_THREAD = frozenset()
-events = []
-def fw(gm, ex):
-    events.append("fw"); return make_boxed_func(gm.forward)
-def bw(gm, ex):
-    with cf.compile_lock:
-        events.append("bw"); return make_boxed_func(gm.forward)
-f = torch.compile(lambda x: (x * 3).sin().sum(), backend=aot_autograd(fw_compiler=fw, bw_compiler=bw))
-x = torch.randn(8, requires_grad=True)
-y = f(x)
-compiled_before_backward = "bw" in events
-# Another thread holds compile_lock (as a thread tracing flex_attention's backward does while it waits for
-# the autograd engine); does this thread's backward still finish?
-held, release = threading.Event(), threading.Event()
-def holder():
-    with cf.compile_lock:
-        held.set(); release.wait(30)
-t = threading.Thread(target=holder, daemon=True); t.start(); held.wait()
-done = threading.Event()
-threading.Thread(target=lambda: (y.backward(), done.set()), daemon=True).start()
-finished_while_held = done.wait(5)
-release.set(); done.wait(30)
-cfg = torch._functorch.config
-opt = getattr(cfg, "force_non_lazy_backward_lowering", None)
-box = []
-th = threading.Thread(target=lambda: box.append(getattr(cfg, "force_non_lazy_backward_lowering", None))); th.start(); th.join()
-print("RESULT " + json.dumps(dict(compiled_before_backward=compiled_before_backward, finished_while_held=finished_while_held,
-      grad_ok=bool(torch.allclose(x.grad, 3 * torch.cos(3 * x))), option_main=opt, option_thread=box[0])))
-"""
-
-
 def _mechanism(env: dict[str, str], worker: bool) -> dict:
-    p = run_py(MECHANISM.format(worker=worker), env=env, timeout=120)
-    line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
-    assert line, p.stderr[-3000:]
-    return json.loads(line[0][7:])
+    """``backward_lock_wait``: a compile whose backward compiler takes compile_lock, as inductor's does from
+    torch 2.6 (aot_eager's does not; inductor itself would make each run compile C++ for tens of seconds on a
+    CPU machine); another thread holds the lock while this thread's backward runs. ``worker``: the package
+    treats the CPU as a device whose backward runs on an autograd worker thread (as CUDA's does)."""
+    res = scenarios.run("backward_lock_wait", env=env, timeout=120, worker=int(worker))
+    assert "backward_blocked" in res, res
+    return res
 
 
 @H4_EXISTS
@@ -81,8 +40,8 @@ def test_h4_backward_on_a_worker_device_is_compiled_with_the_forward() -> None:
     lock-order inversion of H4). Unpatched: compiled lazily, and the backward blocks on the lock."""
     off = _mechanism({"TTC_DISABLE": "1"}, worker=True)
     on = _mechanism({}, worker=True)
-    assert off["compiled_before_backward"] is False and off["finished_while_held"] is False  # the hazard
-    assert on["compiled_before_backward"] is True and on["finished_while_held"] is True
+    assert off["backward_compiled_with_forward"] is False and off["backward_blocked"] is True  # the hazard
+    assert on["backward_compiled_with_forward"] is True and on["backward_blocked"] is False
     assert on["grad_ok"] and off["grad_ok"]
 
 
@@ -92,7 +51,7 @@ def test_cpu_graphs_pay_nothing_and_config_is_untouched() -> None:
     keep upstream's lazy backward; and no config value changes, in any thread."""
     off = _mechanism({"TTC_DISABLE": "1"}, worker=False)
     on = _mechanism({}, worker=False)
-    assert on["compiled_before_backward"] is False == off["compiled_before_backward"]
+    assert on["backward_compiled_with_forward"] is False == off["backward_compiled_with_forward"]
     assert on["option_main"] == off["option_main"] and on["option_thread"] == off["option_thread"]
 
 

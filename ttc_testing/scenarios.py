@@ -888,9 +888,16 @@ def backward_lock_wait(worker: int = 1, hold_s: float = 5.0) -> dict[str, Any]:
     finished = done.wait(hold_s)
     release.set()
     done.wait(60)
+    # The package changes no config value for this (main thread, and a new thread).
+    cfg = torch._functorch.config
+    option: list[Any] = []
+    reader = threading.Thread(target=lambda: option.append(getattr(cfg, "force_non_lazy_backward_lowering", None)))
+    reader.start()
+    reader.join()
     return {"backward_compiled_with_forward": compiled_with_forward, "backward_blocked": not finished,
             "backward_s": round(time.monotonic() - t0, 2),
-            "grad_ok": bool(x.grad is not None and torch.allclose(x.grad, 3 * torch.cos(3 * x)))}
+            "grad_ok": bool(x.grad is not None and torch.allclose(x.grad, 3 * torch.cos(3 * x))),
+            "option_main": getattr(cfg, "force_non_lazy_backward_lowering", None), "option_thread": option[0]}
 
 
 def _env(env: dict[str, str] | None) -> dict[str, str]:
