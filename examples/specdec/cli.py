@@ -119,9 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--target-compile-mode", choices=COMPILE_MODES, default="default",
                    help="torch.compile mode of the target forward; 'reduce-overhead' = CUDA graphs (needs CUDA "
                         "graphs to work from several threads)")
-    g.add_argument("--mask-builder", choices=["dense", "create_block_mask"], default="dense",
-                   help="how flex BlockMasks are built per batch: from one dense evaluation (default) or with "
-                        "torch's create_block_mask (slower, same result)")
+    g.add_argument("--mask-builder", choices=["dense", "compiled", "create_block_mask"], default="dense",
+                   help="how flex BlockMasks are built per batch: from one dense evaluation in eager ops "
+                        "(default), the same ops compiled (fewer host calls), or with torch's create_block_mask "
+                        "(slower); all give the same masks")
     g.add_argument("--target-compile-scope", choices=["model", "layer"],
                    help="compile the target's whole forward as one graph (model) or one decoder layer, reused "
                         "by every layer (layer: a fraction of the compile time of a deep target; cuda-8b)")

@@ -11,6 +11,8 @@ on the step, never on thread timing, so runs are reproducible and ``--resume`` r
 from __future__ import annotations
 
 import json
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional, Sequence
@@ -51,15 +53,16 @@ def _stack(index: int, rows: List[tuple]) -> Batch:
 class MarkovData:
     """Seeded sparse Markov chain: each token has ``branch`` distinct successors with Zipf-like probabilities.
 
-    Generation is vectorised over the rows of a batch: one small numpy step per position instead of one Python
-    iteration per token (a 8 x 1024 batch took ~50 ms of interpreter time token by token, holding the GIL that
-    every other trainer thread needs; now a few ms). The successor choice uses a quantised uniform variate
+    Generation is vectorised over rows: one small numpy step per position instead of one Python iteration per
+    token (a 8 x 1024 batch took ~50 ms of interpreter time token by token, holding the GIL that every other
+    trainer thread needs), and ``block`` consecutive batches are stepped together and cached (the loop costs per
+    position, not per row), so a batch costs a fraction of a millisecond. The successor choice uses a quantised uniform variate
     (``levels`` steps), so transition probabilities are multiples of ``1 / levels``; ``probs`` holds those
     effective probabilities and ``transition_logprobs`` uses them.
     """
 
     def __init__(self, vocab_size: int, batch_size: int, seq_len: int, seed: int = 0, branch: int = 4,
-                 min_doc: int = 16, max_doc: Optional[int] = None) -> None:
+                 min_doc: int = 16, max_doc: Optional[int] = None, block: int = 16) -> None:
         if vocab_size <= branch:
             raise ValueError(f"vocab_size {vocab_size} must exceed the branching factor {branch}")
         self.vocab_size, self.batch_size, self.seq_len, self.seed = vocab_size, batch_size, seq_len, seed
@@ -88,6 +91,9 @@ class MarkovData:
         counts = np.stack([(choice == c).sum(1) for c in range(branch)], axis=1)
         self.probs = counts / self.levels
         self.table = np.take_along_axis(succ, choice, axis=1).astype(np.int64).ravel()  # [V * levels]
+        self.block, self.cached_blocks = max(1, block), 4
+        self._lock = threading.Lock()
+        self._cache: "OrderedDict[int, List[Batch]]" = OrderedDict()
 
     def transition_logprobs(self, floor: float = 1e-3) -> torch.Tensor:
         """``[V, V]`` log transition probabilities (floored), used as the built-in target's bigram prior."""
@@ -96,9 +102,11 @@ class MarkovData:
         np.add.at(T, (rows, self.succ.ravel()), self.probs.ravel())
         return torch.from_numpy(np.log(T / T.sum(1, keepdims=True))).float()
 
-    def _generate(self, rng: np.random.Generator, lengths: np.ndarray, seq_len: int) -> tuple:
+    def _layout(self, rng: np.random.Generator, lengths: np.ndarray, seq_len: int) -> tuple:
         """Rows of packed documents with the given lengths ``[R, N]`` (cumulative sum must reach ``seq_len``):
-        tokens, document ids and in-document positions, each ``[R, seq_len]``."""
+        document ids and in-document positions ``[R, seq_len]``, and the chain's inputs, time-major ``[seq_len, R]``:
+        the token where a position does not follow the chain (BOS, or a uniform token at position 1), whether it
+        follows it, and the quantised choice of successor."""
         rows = lengths.shape[0]
         ends = np.cumsum(lengths, axis=1)
         # Document index of every position: one searchsorted over all rows (row r's ends shifted by r * span
@@ -111,24 +119,55 @@ class MarkovData:
         starts = ends - lengths
         pos = t[None, :] - np.take_along_axis(starts, doc, axis=1)
         # Position 0 of a document is BOS, position 1 a uniform random token, later ones follow the chain.
-        # Time-major arrays, so that step i of the loop reads contiguous rows.
-        fixed = np.ascontiguousarray(np.where(pos == 0, BOS, rng.integers(1, self.vocab_size, size=(rows, seq_len))).T)
-        free = np.ascontiguousarray((pos >= 2).T)
-        level = np.ascontiguousarray(rng.integers(0, self.levels, size=(rows, seq_len)).T)
+        fixed = np.where(pos == 0, BOS, rng.integers(1, self.vocab_size, size=(rows, seq_len))).T
+        level = rng.integers(0, self.levels, size=(rows, seq_len)).T
+        return doc, pos, fixed, (pos >= 2).T, level
+
+    def _chain(self, fixed: np.ndarray, free: np.ndarray, level: np.ndarray) -> np.ndarray:
+        """Run the chain over time-major inputs ``[seq_len, R]``: one small numpy step per position for all rows
+        at once (the rows are independent, so how many are stepped together changes nothing). Returns ``[R, S]``."""
+        fixed, free, level = (np.ascontiguousarray(a) for a in (fixed, free, level))
         table, levels = self.table, self.levels
-        out = np.empty((seq_len, rows), dtype=np.int64)
-        prev = np.zeros(rows, dtype=np.int64)
-        for i in range(seq_len):
+        out = np.empty(fixed.shape, dtype=np.int64)
+        prev = np.zeros(fixed.shape[1], dtype=np.int64)
+        for i in range(fixed.shape[0]):
             prev = np.where(free[i], table[prev * levels + level[i]], fixed[i])
             out[i] = prev
-        return out.T, doc, pos
+        return out.T
+
+    def _generate(self, rng: np.random.Generator, lengths: np.ndarray, seq_len: int) -> tuple:
+        doc, pos, fixed, free, level = self._layout(rng, lengths, seq_len)
+        return self._chain(fixed, free, level), doc, pos
+
+    def batches(self, indices: Sequence[int]) -> List[Batch]:
+        """``[batch(i) for i in indices]``, generated together: each batch draws from its own seed stream exactly
+        as ``batch`` does, and one chain loop steps the rows of all of them (the loop's cost is per position, not
+        per row: 16 batches cost about what two did one at a time)."""
+        n_docs = self.seq_len // self.min_doc + 1
+        parts = []
+        for index in indices:
+            rng = np.random.default_rng([self.seed, index])
+            lengths = rng.integers(self.min_doc, self.max_doc + 1, size=(self.batch_size, n_docs))
+            parts.append(self._layout(rng, lengths, self.seq_len))
+        toks = self._chain(*(np.concatenate([p[j] for p in parts], axis=1) for j in (2, 3, 4)))
+        out = []
+        for k, (index, (doc, pos, *_)) in enumerate(zip(indices, parts)):
+            rows = toks[k * self.batch_size:(k + 1) * self.batch_size]
+            out.append(Batch(index, *(torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
+                                      for a in (rows, doc, pos))))
+        return out
 
     def batch(self, index: int) -> Batch:
-        rng = np.random.default_rng([self.seed, index])
-        n_docs = self.seq_len // self.min_doc + 1
-        lengths = rng.integers(self.min_doc, self.max_doc + 1, size=(self.batch_size, n_docs))
-        toks, doc, pos = self._generate(rng, lengths, self.seq_len)
-        return Batch(index, *(torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)) for a in (toks, doc, pos)))
+        """Batch ``index`` (a pure function of it). Batches are made ``block`` at a time (``batches``) and kept in a
+        small cache shared by the threads that ask: the trainer's threads ask for consecutive indices."""
+        key = index // self.block
+        with self._lock:
+            cached = self._cache.get(key)
+            if cached is None:
+                cached = self._cache[key] = self.batches(range(key * self.block, (key + 1) * self.block))
+                while len(self._cache) > self.cached_blocks:
+                    self._cache.popitem(last=False)
+        return cached[index - key * self.block]
 
     def prompts(self, count: int, length: int, seed: int) -> torch.Tensor:
         """``[count, length]`` single-document prompts (held out: their own seed stream)."""

@@ -21,7 +21,7 @@ the sequence axis, so ``kv_idx = step * S + position``.
 """
 from __future__ import annotations
 
-from typing import Callable, List, Tuple, Union
+from typing import Callable, List, Sequence, Tuple, Union
 
 import torch
 
@@ -78,16 +78,9 @@ def _ordered(blocks: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     return count.contiguous(), order.contiguous()
 
 
-def block_mask_from_dense(dense: torch.Tensor, mask_mod: MaskMod, block: int = BLOCK_SIZE):
-    """``BlockMask`` from a dense ``[B, H, Q, KV]`` boolean mask and the ``mask_mod`` that produced it.
-
-    Same result as ``create_block_mask(mask_mod, ...)`` (tested), but built from a handful of tensor ops:
-    ``create_block_mask`` evaluates the mask_mod under ``vmap`` and derives the query-side indices through
-    another ``vmap``, tens of milliseconds of interpreter time per mask, and the drafter needs one per TTT step
-    for every batch. Nothing here synchronises with the device.
-    """
-    from torch.nn.attention.flex_attention import BlockMask
-
+def block_tensors(dense: torch.Tensor, block: int = BLOCK_SIZE) -> Tuple[torch.Tensor, ...]:
+    """The eight index tensors of a ``BlockMask`` from a dense ``[B, H, Q, KV]`` boolean mask: block sums, full
+    and partial blocks, each ordered per row (``_ordered``) and per column."""
     b, h, q_len, kv_len = dense.shape
     pad_q, pad_kv = (-q_len) % block, (-kv_len) % block
     if pad_q or pad_kv:
@@ -100,13 +93,60 @@ def block_mask_from_dense(dense: torch.Tensor, mask_mod: MaskMod, block: int = B
     full_kv_num, full_kv_idx = _ordered(full)
     q_num, q_idx = _ordered(partial.transpose(-2, -1))
     full_q_num, full_q_idx = _ordered(full.transpose(-2, -1))
+    return kv_num, kv_idx, full_kv_num, full_kv_idx, q_num, q_idx, full_q_num, full_q_idx
+
+
+def _block_mask(tensors: Sequence[torch.Tensor], q_len: int, kv_len: int, mask_mod: MaskMod,
+                block: int = BLOCK_SIZE):
+    from torch.nn.attention.flex_attention import BlockMask
+
     # Positional arguments: the constructor's first eleven parameters are the same from torch 2.5 to 2.13.
-    return BlockMask((q_len, kv_len), kv_num, kv_idx, full_kv_num, full_kv_idx, q_num, q_idx, full_q_num,
-                     full_q_idx, (block, block), mask_mod)
+    return BlockMask((q_len, kv_len), *tensors, (block, block), mask_mod)
 
 
-# How BlockMasks are built: "dense" (block_mask_from_dense) or "create_block_mask" (torch's own, slower; kept as a
-# switch, --mask-builder, in case the fast path misbehaves on some torch version). Set once before threads start.
+def block_mask_from_dense(dense: torch.Tensor, mask_mod: MaskMod, block: int = BLOCK_SIZE):
+    """``BlockMask`` from a dense ``[B, H, Q, KV]`` boolean mask and the ``mask_mod`` that produced it.
+
+    Same result as ``create_block_mask(mask_mod, ...)`` (tested), but built from a handful of tensor ops:
+    ``create_block_mask`` evaluates the mask_mod under ``vmap`` and derives the query-side indices through
+    another ``vmap``, tens of milliseconds of interpreter time per mask, and the drafter needs one per TTT step
+    for every batch. Nothing here synchronises with the device.
+    """
+    return _block_mask(block_tensors(dense, block), dense.shape[2], dense.shape[3], mask_mod, block)
+
+
+def _target_tensors(doc: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+    batch, seq = doc.shape
+    return block_tensors(dense_mask(document_causal_mod(doc), batch, seq, seq, doc.device))
+
+
+def _ttt_tensors(doc: torch.Tensor, steps: int) -> List[Tuple[torch.Tensor, ...]]:
+    batch, seq = doc.shape
+    dense = dense_mask(ttt_mod(doc, seq), batch, seq, seq * steps, doc.device)
+    return [block_tensors(dense[..., :seq * (i + 1)]) for i in range(steps)]
+
+
+class _Compiled:
+    """``--mask-builder compiled``: the dense evaluation and the block tensors of ``block_mask_from_dense`` as one
+    compiled function per mask kind (a few fused kernels and one Python call instead of ~25 eager ops per mask:
+    the eager ops are interpreter time that every trainer thread needs the GIL for). Compiled on first use, default
+    mode (no CUDA graphs: the tensors outlive the call), shapes static."""
+
+    def __init__(self) -> None:
+        self.fns: dict = {}
+
+    def __call__(self, name: str, fn: Callable, *args):
+        compiled = self.fns.get(name)
+        if compiled is None:
+            compiled = self.fns.setdefault(name, torch.compile(fn, dynamic=False))
+        return compiled(*args)
+
+
+_COMPILED = _Compiled()
+
+# How BlockMasks are built: "dense" (block_mask_from_dense, eager), "compiled" (the same ops compiled) or
+# "create_block_mask" (torch's own, slower; kept as a switch, --mask-builder, in case a fast path misbehaves on
+# some torch version). Set once before threads start.
 BUILDER = "dense"
 
 
@@ -126,6 +166,8 @@ def target_mask(doc: torch.Tensor, dense: bool = False) -> Mask:
     batch, seq = doc.shape
     if dense:
         return dense_mask(document_causal_mod(doc), batch, seq, seq, doc.device)
+    if use_flex(doc.device) and BUILDER == "compiled":
+        return _block_mask(_COMPILED("target", _target_tensors, doc), seq, seq, document_causal_mod(doc))
     return build_mask(document_causal_mod(doc), batch, seq, seq, doc.device)
 
 
@@ -138,6 +180,8 @@ def ttt_masks(doc: torch.Tensor, steps: int) -> List[Mask]:
     mod = ttt_mod(doc, seq)
     if use_flex(doc.device) and BUILDER == "create_block_mask":
         return [build_mask(mod, batch, seq, seq * (i + 1), doc.device) for i in range(steps)]
+    if use_flex(doc.device) and BUILDER == "compiled":
+        return [_block_mask(t, seq, seq * (i + 1), mod) for i, t in enumerate(_COMPILED("ttt", _ttt_tensors, doc, steps))]
     dense = dense_mask(mod, batch, seq, seq * steps, doc.device)
     slices = [dense[..., :seq * (i + 1)] for i in range(steps)]
     if use_flex(doc.device):

@@ -32,6 +32,47 @@ def test_block_mask_matches_create_block_mask(batch: int, seq: int, steps: int) 
             assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
 
 
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiled_mask_builder_equals_eager(device: str) -> None:
+    """--mask-builder compiled: the compiled dense evaluation gives the eager builder's tensors, for the target
+    mask and every TTT step (on CUDA this also covers inductor's GPU lowering of the stable descending argsort)."""
+    doc = data_mod.MarkovData(64, 2, 256, min_doc=8, max_doc=90).batch(3).doc.to(device)
+    steps = 3
+    compiled = masks._Compiled()
+    got = [compiled("target", masks._target_tensors, doc)] + list(compiled("ttt", masks._ttt_tensors, doc, steps))
+    dense = masks.dense_mask(masks.ttt_mod(doc, 256), 2, 256, 256 * steps, doc.device)
+    want = [masks.block_tensors(masks.dense_mask(masks.document_causal_mod(doc), 2, 256, 256, doc.device))]
+    want += [masks.block_tensors(dense[..., :256 * (i + 1)]) for i in range(steps)]
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        for a, b in zip(g, w):
+            assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+
+
+def test_markov_batches_made_together_equal_one_at_a_time() -> None:
+    """Batches are generated a block at a time and cached; each is still exactly what generating it alone gives,
+    whichever thread asks first and in whatever order."""
+    import threading
+
+    blocked = data_mod.MarkovData(97, 3, 300, seed=5, block=4)
+    alone = data_mod.MarkovData(97, 3, 300, seed=5, block=1)
+    indices = [9, 0, 3, 17, 4, 16, 2, 30, 1]
+    got: dict = {}
+    threads = [threading.Thread(target=lambda i=i: got.__setitem__(i, blocked.batch(i))) for i in indices]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i in indices:
+        a, b = got[i], alone.batch(i)
+        assert a.index == b.index == i
+        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.doc, b.doc) and torch.equal(a.pos, b.pos)
+    assert len(blocked._cache) <= blocked.cached_blocks
+
+
 def test_flop_formulas_match_flop_counter() -> None:
     """The analytic FLOPs per token (target forward, drafter forward + backward) equal torch's FlopCounterMode
     on a small GQA model; attention through the math SDPA kernel, which computes every (query, key) pair, so
