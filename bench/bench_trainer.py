@@ -153,7 +153,7 @@ def table(results: List[Dict[str, Any]]) -> str:
 def layout_table(results: List[Dict[str, Any]]) -> str:
     head = ["run", "status", "steady tokens/s drafter (target)", "vs sequential", "first step s (target / drafter)",
             "wall s", "MFU target / drafter (steady share)", "MFU in interval target / drafter", "GPU util %",
-            "peak GPU MiB", "τ start → end", "unique graphs", "errors", "compile cache"]
+            "host CPU s/s", "peak GPU MiB", "τ start → end", "unique graphs", "errors", "compile cache"]
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results:
         s: Dict = r["summary"] or {}
@@ -171,7 +171,8 @@ def layout_table(results: List[Dict[str, Any]]) -> str:
             fmt(r["wall"]), f"{pct(share('target'))} / {pct(share('drafter'))}",
             f"{pct((phases.get('target') or {}).get('mfu_in_interval'))} / "
             f"{pct((phases.get('drafter') or {}).get('mfu_in_interval'))}",
-            fmt(s.get("gpu_util_pct")), fmt(peak / 2**20 if peak else None),
+            fmt(s.get("gpu_util_pct")), fmt(((tp.get("window") or {}).get("host_cpu_per_s")), 2),
+            fmt(peak / 2**20 if peak else None),
             f"{fmt(s.get('tau_initial'), 2)} → {fmt(s.get('tau_final'), 2)}",
             fmt((s.get("compile") or {}).get("unique_graphs")), fmt((s.get("errors") or {}).get("total")),
             r.get("cache", "–"),

@@ -83,6 +83,7 @@ class Throughput:
         self.last_step: Dict[str, float] = {}
         self.window_start: Optional[Tuple[float, Dict[str, int]]] = None
         self.window_end: Optional[Tuple[float, Dict[str, int]]] = None
+        self.cpu_start = self.cpu_end = 0.0
 
     def add(self, kind: str, tokens: int) -> None:
         now = time.monotonic() - self.start
@@ -96,12 +97,14 @@ class Throughput:
         """Start of the steady window (call right after a device synchronisation)."""
         with self.lock:
             self.window_start = (time.monotonic(), dict(self.tokens))
+            self.cpu_start = time.process_time()
 
     def close(self) -> None:
         """End of the steady window (after the last step and a device synchronisation)."""
         with self.lock:
             if self.window_start is not None and self.window_end is None:
                 self.window_end = (time.monotonic(), dict(self.tokens))
+                self.cpu_end = time.process_time()
 
     def window(self) -> Optional[Tuple[float, float]]:
         if self.window_start is None or self.window_end is None:
@@ -133,7 +136,12 @@ class Throughput:
                 }
         if self.window() is not None:
             t0, t1 = self.window()
-            out["window"] = {"start_s": round(t0 - self.start, 2), "seconds": round(t1 - t0, 3)}
+            # Host CPU seconds of the whole process per second of the window: near 1 with the GPU idle much of the
+            # time means the interpreter (one GIL) bounds the run; torch releases the GIL inside its ops, so it
+            # can exceed 1.
+            cpu = (self.cpu_end - self.cpu_start) / max(t1 - t0, 1e-9)
+            out["window"] = {"start_s": round(t0 - self.start, 2), "seconds": round(t1 - t0, 3),
+                             "host_cpu_per_s": round(cpu, 2)}
         return out
 
 
