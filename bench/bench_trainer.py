@@ -27,7 +27,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ROOT / "examples" / "specdec" / "train.py"
@@ -211,14 +211,17 @@ def skipped(label: str) -> Dict[str, Any]:
 
 def compare_layouts(preset: str, pairs: List[Tuple[int, int]], base: List[str], env: Dict[str, str], work: Path,
                     timeout: float, budget: Budget, cache: str, tag: str = "", sequential_first: bool = True,
-                    layouts: Tuple[str, ...] = ("sequential", "threaded")) -> List[Dict[str, Any]]:
-    """For every T+D: threaded(T, D), and sequential(D) once per distinct D (before or after the threaded runs);
-    ratio = steady drafter tokens/s of threaded / sequential with the same D."""
+                    layouts: Tuple[str, ...] = ("sequential", "threaded"),
+                    variants: Sequence[Tuple[str, List[str]]] = (("", []),)) -> List[Dict[str, Any]]:
+    """For every T+D: threaded(T, D) once per variant (a label suffix and extra flags), and sequential(D) once per
+    distinct D (before or after the threaded runs); ratio = steady drafter tokens/s of threaded / sequential
+    with the same D."""
     plan: List[Tuple[str, List[str], int]] = []
     seq_plan = [(f"sequential ×{d}", ["--layout", "sequential", "--drafter-threads", str(d)], d)
                 for d in dict.fromkeys(d for _, d in pairs)] if "sequential" in layouts else []
-    thr_plan = [(f"threaded {t}+{d}", ["--layout", "threaded", "--target-threads", str(t), "--drafter-threads",
-                                       str(d)], d) for t, d in pairs] if "threaded" in layouts else []
+    thr_plan = [(f"threaded {t}+{d}{suffix}", ["--layout", "threaded", "--target-threads", str(t),
+                                               "--drafter-threads", str(d), *flags], d)
+                for t, d in pairs for suffix, flags in variants] if "threaded" in layouts else []
     if sequential_first:
         # Interleave: each sequential run right before the first threaded run with its D.
         for item in thr_plan:
@@ -244,7 +247,7 @@ def compare_layouts(preset: str, pairs: List[Tuple[int, int]], base: List[str], 
             run_env["TRITON_CACHE_DIR"] = str(work / "triton-cache")
         r = run_one(full, base + extra, run_env, work / slug, grant)
         r["cache"] = {"fresh": "cold", "user": "as given", "shared": "cold" if runs_done == 0 else "warm"}[cache]
-        r["layout"], r["batches_per_step"] = label.split()[0], d
+        r["layout"], r["batches_per_step"], r["variant"] = label.split()[0], d, " ".join(label.split()[2:])
         runs_done += 1
         results.append(r)
     sequential = {r["batches_per_step"]: r for r in results if r.get("layout") == "sequential"}

@@ -15,16 +15,19 @@ PRESETS: Dict[str, Dict[str, Any]] = {
     "cpu-tiny": dict(devices="cpu", target_threads=2, drafter_threads=2, steps=300, batch_size=4, seq_len=128,
                      vocab_size=256, target_dim=128, target_layers=4, target_heads=4, target_ffn=256,
                      ttt_steps=3, lr=3e-3, eval_every=50, log_every=25),
-    # several threads sharing one GPU.
+    # several threads sharing one GPU. Both small CUDA presets put the target forward and the drafter step into
+    # CUDA graphs and build masks with one compiled call: a small model is bound by interpreter time (docs/trainer.md).
     "cuda-small": dict(devices="cuda:0", target_threads=3, drafter_threads=2, steps=1000, batch_size=8,
                        seq_len=512, vocab_size=2048, target_dim=256, target_layers=6, target_heads=4,
                        target_ffn=704, ttt_steps=4, lr=3e-3, prior_strength=1.0, eval_every=100, log_every=50,
-                       target_dtype="bfloat16", autocast="bf16"),
+                       target_dtype="bfloat16", autocast="bf16", target_compile_mode="reduce-overhead",
+                       drafter_compile_mode="reduce-overhead", mask_builder="compiled"),
     # 5 target + 3 drafter threads spread round robin over every visible GPU.
     "multi-gpu": dict(devices="cuda", target_threads=5, drafter_threads=3, steps=2000, batch_size=8,
                       seq_len=1024, vocab_size=4096, target_dim=512, target_layers=8, target_heads=8,
                       target_ffn=1408, ttt_steps=5, lr=2e-3, prior_strength=1.0, eval_every=200, log_every=50,
-                      target_dtype="bfloat16", autocast="bf16"),
+                      target_dtype="bfloat16", autocast="bf16", target_compile_mode="reduce-overhead",
+                      drafter_compile_mode="reduce-overhead", mask_builder="compiled"),
     # Llama-3.1-8B-shaped target (random bf16 weights: same compute as the real model) and an EAGLE-3 drafter
     # for it (one decoder layer of the target's width, full-vocabulary LM head) on one GPU.
     "cuda-8b": dict(devices="cuda:0", target_threads=1, drafter_threads=1, steps=50, batch_size=4, seq_len=2048,
@@ -39,6 +42,7 @@ DEFAULTS: Dict[str, Any] = dict(
     target_dim=128, target_layers=4, target_heads=4, target_kv_heads=None, target_ffn=256, rope_theta=10000.0,
     ttt_steps=3, lr=3e-3, prior_strength=0.5, eval_every=50, log_every=25, eval_prompts=16, eval_gen_len=48,
     queue_size=4, target_dtype="float32", autocast="off", measure_after=None, target_compile_scope="model",
+    target_compile_mode="default", drafter_compile_mode="default", mask_builder="dense",
 )
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -114,21 +118,26 @@ def build_parser() -> argparse.ArgumentParser:
                    help="one CUDA stream per thread, hand-offs ordered by events (default on)")
     g.add_argument("--pin-memory", action=argparse.BooleanOptionalAction, default=True,
                    help="batches go to the GPU from pinned memory, asynchronously (default on)")
+    g.add_argument("--host-lock", action=argparse.BooleanOptionalAction, default=False,
+                   help="threaded layout: a thread issues a whole target forward or drafter step while holding one "
+                        "process-wide lock, so threads do not hand the GIL to each other at every torch call "
+                        "(default off)")
     g.add_argument("--fused-optimizer", action=argparse.BooleanOptionalAction, default=True,
                    help="AdamW(fused=True) on CUDA (default on)")
-    g.add_argument("--target-compile-mode", choices=COMPILE_MODES, default="default",
+    g.add_argument("--target-compile-mode", choices=COMPILE_MODES,
                    help="torch.compile mode of the target forward; 'reduce-overhead' = CUDA graphs (needs CUDA "
-                        "graphs to work from several threads)")
-    g.add_argument("--mask-builder", choices=["dense", "compiled", "create_block_mask"], default="dense",
+                        "graphs to work from several threads); default 'default', 'reduce-overhead' on the "
+                        "cuda-small and multi-gpu presets")
+    g.add_argument("--mask-builder", choices=["dense", "compiled", "create_block_mask"],
                    help="how flex BlockMasks are built per batch: from one dense evaluation in eager ops "
-                        "(default), the same ops compiled (fewer host calls), or with torch's create_block_mask "
-                        "(slower); all give the same masks")
+                        "(dense, the default), the same ops compiled (compiled: fewer host calls; the cuda-small and "
+                        "multi-gpu presets), or with torch's create_block_mask (slower); all give the same masks")
     g.add_argument("--target-compile-scope", choices=["model", "layer"],
                    help="compile the target's whole forward as one graph (model) or one decoder layer, reused "
                         "by every layer (layer: a fraction of the compile time of a deep target; cuda-8b)")
-    g.add_argument("--drafter-compile-mode", choices=COMPILE_MODES, default="default",
+    g.add_argument("--drafter-compile-mode", choices=COMPILE_MODES,
                    help="torch.compile mode of the drafter loss (forward and backward); 'reduce-overhead' = CUDA "
-                        "graphs, as for the target")
+                        "graphs, as for the target (same defaults)")
     g.add_argument("--measure-after", type=int,
                    help="steps excluded from the steady-state throughput (compile, warm-up); default: a fifth "
                         "of the steps, at least 1")

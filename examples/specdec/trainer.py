@@ -437,8 +437,10 @@ def run_training(args: argparse.Namespace) -> int:
                 s, d = divmod(n, D)
                 if j == 0:
                     inject_fault(args, "target", s)
-                feats = target_step(run, args, data, fn, lane, (s * world + rank) * D + d, s, cudagraphs, timer)
-                run.put(queues[d], (n, feats, lane.record()))
+                with host_lock:
+                    feats = target_step(run, args, data, fn, lane, (s * world + rank) * D + d, s, cudagraphs, timer)
+                    ready = lane.record()
+                run.put(queues[d], (n, feats, ready))
                 run.throughput.add("target", tokens_per_batch)
                 n += T
 
@@ -454,11 +456,12 @@ def run_training(args: argparse.Namespace) -> int:
                     got_n, item, ev = run.get(queues[d])
                     pending[got_n] = (item, ev)
                 item, ev = pending.pop(n)
-                feats = rep.lane.fetch(item, ev)
-                del item
-                started = timer.start()
-                rep.forward_backward(run, args, loss_fn, feats, first=True)
-                del feats
+                with host_lock:
+                    feats = rep.lane.fetch(item, ev)
+                    del item
+                    started = timer.start()
+                    rep.forward_backward(run, args, loss_fn, feats, first=True)
+                    del feats
                 rep.update(run, d, s, lr_at(args, s))
                 timer.stop("drafter", s + 1, started)
                 run.throughput.add("drafter", tokens_per_batch)
@@ -492,6 +495,11 @@ def run_training(args: argparse.Namespace) -> int:
                     run.steps_done = s + 1
                     run.last_progress = time.monotonic()
 
+    # --host-lock: one thread at a time issues a target forward or a drafter forward/backward (never held while
+    # waiting for a queue or a barrier). Without it, every torch call releases the GIL and another thread takes
+    # it, so threads hand the interpreter to each other thousands of times per step; with it, the threads that
+    # wait sleep on the lock and the one issuing work keeps the GIL between its calls.
+    host_lock = threading.Lock() if args.host_lock and args.layout == "threaded" else contextlib.nullcontext()
     if args.layout == "threaded":
         t_lanes = [Lane(dev, args.streams) for dev in t_dev]
         queues = [queue.Queue(maxsize=args.queue_size) for _ in range(D)]
