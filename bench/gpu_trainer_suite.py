@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The reference trainer's GPU measurements in one command, for one GPU, within a wall-clock budget.
 
-    python bench/gpu_trainer_suite.py OUTDIR [--budget 480] [--parts small,multi,8b,profile] [--host-lock]
+    python bench/gpu_trainer_suite.py OUTDIR [--budget 480] [--parts small,multi,8b,profile] [--host-lock small,multi]
 
 Parts, by default in this order (each run is a subprocess with its own timeout; a part that no longer fits the budget is
 reported as skipped, never left half-run):
@@ -74,8 +74,8 @@ def main() -> int:
                                                 "feature; with '=': --extra='--no-streams --autocast off'")
     ap.add_argument("--part-extra", action="append", default=[], metavar="PART:FLAGS",
                     help="trainer flags for one part only, e.g. --part-extra='8b:--batch-size 2'")
-    ap.add_argument("--host-lock", action="store_true",
-                    help="small and multi: also run every threaded layout with --host-lock")
+    ap.add_argument("--host-lock", default="", metavar="PARTS",
+                    help="comma list of parts (small, multi, eager) whose threaded runs are also made with --host-lock")
     a = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds through run_one, which kills the run
     out = Path(a.out).resolve()
@@ -105,8 +105,8 @@ def main() -> int:
         pairs = cfg["pairs"]
         layouts = ("threaded",) if cfg.get("threaded_only") else ("sequential", "threaded")
         # 8B: the threaded layout is the one under test, so it runs first; the sequential one if time remains.
-        variants = [("", [])] + ([(" with host lock", ["--host-lock"])] if a.host_lock and layouts != ("threaded",)
-                                  and part != "8b" else [])
+        locked = part in a.host_lock.split(",") and layouts != ("threaded",) and part != "8b"
+        variants = [("", [])] + ([(" with host lock", ["--host-lock"])] if locked else [])
         results = compare_layouts(cfg["preset"], pairs, base, env, out / "runs", cfg["timeout"], budget, "user",
                                   tag=f"{part}: ", sequential_first=part != "8b", layouts=layouts, variants=variants)
         all_results[part] = results
