@@ -15,6 +15,7 @@ exit code 2 within a second or two.
 """
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import sys
@@ -50,6 +51,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(json.dumps({"config": vars(args), "ttc_disable_env": os.environ.get("TTC_DISABLE"),
                           "ttc": metrics.ttc_status(), "torch": torch.__version__}, default=str))
         return 0
+    # A crash in native code (a segfault in a CUDA or compiler path) then still says where every thread was.
+    faulthandler.enable(all_threads=True)
     return trainer.run_training(args)
 
 
