@@ -140,7 +140,7 @@ def test_worker_error_stops_cleanly(tmp_path: Path) -> None:
 
 def test_sequential_layout_matches_threaded(tmp_path: Path) -> None:
     """The sequential baseline trains on the same batches with the same averaged gradients: same loss curve and
-    the same final parameters as the threaded layout."""
+    the same final parameters as the threaded layout (with and without --host-lock)."""
     common = TINY + ["--target-threads", "2", "--drafter-threads", "2", "--steps", "8", "--eval-every", "0",
                      "--compile-backend", "aot_eager"]
     proc_a, a = run(common + ["--out", str(tmp_path / "a")])
@@ -152,11 +152,21 @@ def test_sequential_layout_matches_threaded(tmp_path: Path) -> None:
     assert sorted(la) == sorted(lb) == list(range(1, 9))
     for step in la:
         assert lb[step] == pytest.approx(la[step], abs=1e-5), (step, la[step], lb[step])
-    sums = [re.search(r"PARAM_CHECKSUM rank=0 (\S+)", p.stdout).group(1) for p in (proc_a, proc_b)]
+    # --host-lock only changes who issues work when, never what is trained.
+    proc_c, c = run(common + ["--host-lock", "--out", str(tmp_path / "c")])
+    assert proc_c.returncode == 0, explain(proc_c)
+    full = {k: json.loads((tmp_path / k / "summary.json").read_text()) for k in "abc"}
+    assert full["c"]["config"]["host_lock"] is True and full["a"]["config"]["host_lock"] is False
+    lc = train_records(tmp_path / "c" / "metrics.jsonl")
+    assert sorted(lc) == sorted(la) and all(lc[step] == pytest.approx(la[step], abs=1e-5) for step in la)
+    sums = [re.search(r"PARAM_CHECKSUM rank=0 (\S+)", p.stdout).group(1) for p in (proc_a, proc_b, proc_c)]
     assert float(sums[0]) == pytest.approx(float(sums[1]), rel=1e-6), sums
-    for s in (a, b):
+    assert float(sums[0]) == pytest.approx(float(sums[2]), rel=1e-6), sums
+    for s in (a, b, c):
         assert s["throughput"]["drafter"]["tokens"] == 8 * 2 * 2 * 64
         assert s["throughput"]["drafter"]["steady_tokens_per_s"] > 0
+    for s in full.values():
+        assert s["throughput"]["window"]["host_cpu_per_s"] > 0
 
 
 def test_bench_compares_layouts(tmp_path: Path) -> None:
