@@ -216,11 +216,12 @@ def compare_layouts(preset: str, pairs: List[Tuple[int, int]], base: List[str], 
     """For every T+D: threaded(T, D) once per variant (a label suffix and extra flags), and sequential(D) once per
     distinct D (before or after the threaded runs); ratio = steady drafter tokens/s of threaded / sequential
     with the same D."""
-    plan: List[Tuple[str, List[str], int]] = []
-    seq_plan = [(f"sequential ×{d}", ["--layout", "sequential", "--drafter-threads", str(d)], d)
+    # (label, trainer flags, D, layout, variant)
+    plan: List[Tuple[str, List[str], int, str, str]] = []
+    seq_plan = [(f"sequential ×{d}", ["--layout", "sequential", "--drafter-threads", str(d)], d, "sequential", "")
                 for d in dict.fromkeys(d for _, d in pairs)] if "sequential" in layouts else []
     thr_plan = [(f"threaded {t}+{d}{suffix}", ["--layout", "threaded", "--target-threads", str(t),
-                                               "--drafter-threads", str(d), *flags], d)
+                                               "--drafter-threads", str(d), *flags], d, "threaded", suffix.strip())
                 for t, d in pairs for suffix, flags in variants] if "threaded" in layouts else []
     if sequential_first:
         # Interleave: each sequential run right before the first threaded run with its D.
@@ -231,7 +232,7 @@ def compare_layouts(preset: str, pairs: List[Tuple[int, int]], base: List[str], 
         plan = thr_plan + seq_plan
     results: List[Dict[str, Any]] = []
     runs_done = 0
-    for label, extra, d in plan:
+    for label, extra, d, layout, variant in plan:
         grant = budget.grant(timeout)
         full = f"{tag}{label}"
         if grant is None:
@@ -247,7 +248,7 @@ def compare_layouts(preset: str, pairs: List[Tuple[int, int]], base: List[str], 
             run_env["TRITON_CACHE_DIR"] = str(work / "triton-cache")
         r = run_one(full, base + extra, run_env, work / slug, grant)
         r["cache"] = {"fresh": "cold", "user": "as given", "shared": "cold" if runs_done == 0 else "warm"}[cache]
-        r["layout"], r["batches_per_step"], r["variant"] = label.split()[0], d, " ".join(label.split()[2:])
+        r["layout"], r["batches_per_step"], r["variant"] = layout, d, variant
         runs_done += 1
         results.append(r)
     sequential = {r["batches_per_step"]: r for r in results if r.get("layout") == "sequential"}

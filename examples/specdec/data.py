@@ -159,7 +159,9 @@ class MarkovData:
 
     def batch(self, index: int) -> Batch:
         """Batch ``index`` (a pure function of it). Batches are made ``block`` at a time (``batches``) and kept in a
-        small cache shared by the threads that ask: the trainer's threads ask for consecutive indices."""
+        small cache shared by the threads that ask: the trainer's threads ask for consecutive indices. (Under
+        torchrun a rank uses D of every WORLD x D consecutive indices, so a block also makes other ranks' batches:
+        host work, never a different batch.)"""
         key = index // self.block
         with self._lock:
             cached = self._cache.get(key)

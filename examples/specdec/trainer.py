@@ -428,6 +428,12 @@ def run_training(args: argparse.Namespace) -> int:
             save_checkpoint(out, leader, step, args, D * world)
             saved["step"] = step
 
+    # --host-lock: one thread at a time issues a target forward or a drafter forward/backward (never held while
+    # waiting for a queue or a barrier). Without it, every torch call releases the GIL and another thread takes
+    # it, so threads hand the interpreter to each other thousands of times per step; with it, the threads that
+    # wait sleep on the lock and the one issuing work keeps the GIL between its calls.
+    host_lock = threading.Lock() if args.host_lock and args.layout == "threaded" else contextlib.nullcontext()
+
     def target_loop(j: int) -> None:
         lane = t_lanes[j]
         fn = target_fns[t_dev[j]]
@@ -495,11 +501,6 @@ def run_training(args: argparse.Namespace) -> int:
                     run.steps_done = s + 1
                     run.last_progress = time.monotonic()
 
-    # --host-lock: one thread at a time issues a target forward or a drafter forward/backward (never held while
-    # waiting for a queue or a barrier). Without it, every torch call releases the GIL and another thread takes
-    # it, so threads hand the interpreter to each other thousands of times per step; with it, the threads that
-    # wait sleep on the lock and the one issuing work keeps the GIL between its calls.
-    host_lock = threading.Lock() if args.host_lock and args.layout == "threaded" else contextlib.nullcontext()
     if args.layout == "threaded":
         t_lanes = [Lane(dev, args.streams) for dev in t_dev]
         queues = [queue.Queue(maxsize=args.queue_size) for _ in range(D)]
