@@ -27,7 +27,9 @@ def save(path: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, step: i
         for name, value in state.items():
             tensors[f"optim.{pid}.{name}"] = torch.as_tensor(value).detach().cpu().contiguous()
     tensors["rng.torch"] = torch.get_rng_state()
-    meta = {"step": str(step), "param_groups": json.dumps(sd["param_groups"]),
+    # A learning rate may be a device tensor (--step-graphs: a captured update reads it); stored as a number.
+    groups = json.dumps(sd["param_groups"], default=lambda v: v.item() if isinstance(v, torch.Tensor) else str(v))
+    meta = {"step": str(step), "param_groups": groups,
             "extra": json.dumps(extra, default=str)}
     tmp = path.with_name(path.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)

@@ -42,7 +42,7 @@ DEFAULTS: Dict[str, Any] = dict(
     target_dim=128, target_layers=4, target_heads=4, target_kv_heads=None, target_ffn=256, rope_theta=10000.0,
     ttt_steps=3, lr=3e-3, prior_strength=0.5, eval_every=50, log_every=25, eval_prompts=16, eval_gen_len=48,
     queue_size=4, target_dtype="float32", autocast="off", measure_after=None, target_compile_scope="model",
-    target_compile_mode="default", drafter_compile_mode="default", mask_builder="dense",
+    target_compile_mode="default", drafter_compile_mode="default", mask_builder="dense", step_graphs=False,
 )
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -122,6 +122,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="threaded layout: a thread issues a whole target forward or drafter step while holding one "
                         "process-wide lock, so threads do not hand the GIL to each other at every torch call "
                         "(default off)")
+    g.add_argument("--step-graphs", action=argparse.BooleanOptionalAction,
+                   help="CUDA only: capture each target forward, each drafter forward+backward and each optimizer "
+                        "update as one CUDA graph (by hand, after two eager steps) and replay it: almost no "
+                        "interpreter time per batch. Compiled code inside runs in the default mode, so the "
+                        "compile modes default to 'default' with it (default off)")
     g.add_argument("--fused-optimizer", action=argparse.BooleanOptionalAction, default=True,
                    help="AdamW(fused=True) on CUDA (default on)")
     g.add_argument("--target-compile-mode", choices=COMPILE_MODES,
@@ -177,6 +182,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def resolve(args: argparse.Namespace) -> argparse.Namespace:
     preset = PRESETS.get(args.preset or "", {})
+    if getattr(args, "step_graphs", None):
+        # The graphs are captured by hand: compiled code inside must not replay CUDA graphs of its own. Explicit
+        # modes stay as given (validate() rejects reduce-overhead); the presets' reduce-overhead does not apply.
+        for key in ("target_compile_mode", "drafter_compile_mode"):
+            if getattr(args, key) is None:
+                setattr(args, key, "default")
     for key, default in DEFAULTS.items():
         if getattr(args, key) is None:
             setattr(args, key, preset.get(key, default))
@@ -235,6 +246,16 @@ def validate(args: argparse.Namespace) -> Optional[str]:
     if args.target_compile_scope == "layer" and args.target_compile_mode == "reduce-overhead":
         # every layer would replay one CUDA graph, overwriting the previous layer's output that is still needed
         return "--target-compile-mode reduce-overhead needs --target-compile-scope model"
+    if args.step_graphs:
+        for flag, mode in (("--target-compile-mode", args.target_compile_mode),
+                           ("--drafter-compile-mode", args.drafter_compile_mode)):
+            if mode in ("reduce-overhead", "max-autotune"):
+                return f"--step-graphs captures CUDA graphs itself: {flag} {mode} would nest them (use default)"
+        if not args.streams:
+            return "--step-graphs needs --streams (a CUDA graph cannot be captured on the default stream)"
+        entries = device_list(args.devices)
+        if "cpu" in entries or (args.devices != "auto" and not any(e.startswith("cuda") for e in entries)):
+            return f"--step-graphs needs CUDA devices (--devices {args.devices})"
     if args.seq_len < args.ttt_steps + 2:
         return f"--seq-len {args.seq_len} is too short for --ttt-steps {args.ttt_steps} (needs at least k + 2)"
     spec = args.devices

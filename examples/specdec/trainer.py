@@ -28,7 +28,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import checkpoint, cli, data as data_mod, flops, masks, metrics, models
+from . import checkpoint, cli, data as data_mod, flops, graphs, masks, metrics, models
 from .runtime import Lane, PhaseTimer, Reducer, Run, StatsLog, worker
 
 
@@ -37,6 +37,8 @@ def check_devices(args: argparse.Namespace) -> Optional[str]:
     """CUDA requested but not there, or a GPU index that does not exist: one line, or None."""
     spec = args.devices
     entries = cli.device_list(spec)
+    if args.step_graphs and spec == "auto" and not torch.cuda.is_available():
+        return f"--step-graphs needs CUDA, and --devices auto found none (torch {torch.__version__})"
     if spec == "auto" or not any(e.startswith("cuda") for e in entries):
         return None
     preset = f" (preset {args.preset})" if args.preset else ""
@@ -213,9 +215,13 @@ def upload(batch: data_mod.Batch, lane: Lane, pin: bool) -> Tuple[torch.Tensor, 
 class Replica:
     """One drafter replica with its optimizer, on its lane. Gradients live in one persistent flat buffer
     (``p.grad`` are views into it, so backward accumulates straight into what gets reduced): no per-step
-    concatenation, no per-parameter copies. Layout: [gradients | loss | accuracy per TTT step | grad norm]."""
+    concatenation, no per-parameter copies. Layout: [gradients | loss | accuracy per TTT step | grad norm].
 
-    def __init__(self, model: models.Drafter, opt: torch.optim.Optimizer, lane: Lane, k: int) -> None:
+    With ``--step-graphs`` the forward+backward and the optimizer update are ``graphs.StepGraph``s; the learning
+    rate is then a tensor on the device (a captured update reads it at every replay)."""
+
+    def __init__(self, model: models.Drafter, opt: torch.optim.Optimizer, lane: Lane, k: int,
+                 args: argparse.Namespace, loss_fn: Callable) -> None:
         self.model, self.opt, self.lane, self.k = model, opt, lane, k
         params = list(model.parameters())
         self.n_grad = sum(p.numel() for p in params)
@@ -226,33 +232,62 @@ class Replica:
             offset += p.numel()
         self.completed = 0  # last step whose optimizer update finished
         self.updating = False
+        self.args = args
+        self.fwd_bwd = self._fwd_bwd_fn(args, loss_fn)
+        self.fb_graph: Optional[graphs.StepGraph] = None
+        self.update_graph: Optional[graphs.StepGraph] = None
+        self.lr: Optional[torch.Tensor] = None
+        if args.step_graphs:
+            self.lr = torch.full((), float(opt.param_groups[0]["lr"]), device=lane.device)
+            self.bind_lr()
+            self.fb_graph = graphs.StepGraph(self.fwd_bwd, lane.stream)
+            self.update_graph = graphs.StepGraph(self.opt.step, lane.stream)
 
-    def forward_backward(self, run: Run, args: argparse.Namespace, loss_fn: Callable, feats: Sequence[torch.Tensor],
-                         first: bool) -> None:
-        fused, vals, idx, tokens, pos, doc = feats
-        if args.autocast == "off" and fused.dtype != torch.float32:
-            fused = fused.float()
-        step_masks = masks.ttt_masks(doc, self.k)
+    def bind_lr(self) -> None:
+        """Point every param group at the device learning rate (again after a checkpoint load wrote floats)."""
+        if self.lr is not None:
+            for group in self.opt.param_groups:
+                group["lr"] = self.lr
 
-        def fwd_bwd() -> torch.Tensor:
-            if first:
-                self.flat.zero_()
-            if args.drafter_compile_mode == "reduce-overhead" and not args.no_compile:
+    def _fwd_bwd_fn(self, args: argparse.Namespace, loss_fn: Callable) -> Callable[..., None]:
+        """TTT masks, loss, backward (into the flat buffer) and the batch's statistics, from the batch's tensors."""
+        k, n_grad = self.k, self.n_grad
+        mark_step = args.drafter_compile_mode == "reduce-overhead" and not args.no_compile
+
+        def fwd_bwd(fused, vals, idx, tokens, pos, doc) -> None:
+            step_masks = masks.ttt_masks(doc, k)
+            if mark_step:
                 torch.compiler.cudagraph_mark_step_begin()  # the stats output is consumed before the next replay
             with autocast(args, self.lane.device):
                 loss, stats = loss_fn(self.model, fused, tokens, pos, doc, vals, idx, step_masks)
             loss.backward()
-            return stats
+            self.flat[n_grad:n_grad + 1 + k].add_(stats)
 
-        stats = run.call("drafter", fwd_bwd)
-        self.flat[self.n_grad:self.n_grad + 1 + self.k].add_(stats)
+        return fwd_bwd
+
+    def forward_backward(self, run: Run, feats: Sequence[torch.Tensor], first: bool) -> None:
+        fused, vals, idx, tokens, pos, doc = feats
+        if self.args.autocast == "off" and fused.dtype != torch.float32:
+            fused = fused.float()
+        step = self.fb_graph or self.fwd_bwd
+
+        def call() -> None:
+            if first:
+                self.flat.zero_()
+            step(fused, vals, idx, tokens, pos, doc)
+
+        run.call("drafter", call)
 
     def update(self, run: Run, idx: int, step: int, lr: float) -> None:
         run.reducer(idx, self.flat, self.lane)
-        for group in self.opt.param_groups:
-            group["lr"] = lr
         self.updating = True
-        self.opt.step()
+        if self.update_graph is not None:
+            self.lr.fill_(lr)  # type: ignore[union-attr]
+            self.update_graph()
+        else:
+            for group in self.opt.param_groups:
+                group["lr"] = lr
+            self.opt.step()
         self.updating = False
         self.completed = step + 1
 
@@ -313,7 +348,6 @@ def run_training(args: argparse.Namespace) -> int:
             target_fns[dev] = fwd
         else:
             target_fns[dev] = maybe_compile(args, fwd, args.target_compile_mode)
-    cudagraphs = args.target_compile_mode == "reduce-overhead" and not args.no_compile
 
     # Identical drafter replicas: one seeded init (global RNG, on the CPU), copied to each thread's device.
     torch.manual_seed(args.seed + 1)
@@ -321,24 +355,27 @@ def run_training(args: argparse.Namespace) -> int:
     proto = models.Drafter(dcfg, target0.input_embedding(), target0.output_embedding(), buffer_dtype)
     lanes = [Lane(dev, args.streams) for dev in d_dev]
     replicas: List[Replica] = []
+    loss_fn = maybe_compile(args, models.ttt_loss, args.drafter_compile_mode)
     for dev, lane in zip(d_dev, lanes):
         model = copy.deepcopy(proto).to(dev)
-        fused_opt = dict(fused=True) if dev.type == "cuda" and args.fused_optimizer else {}
-        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, **fused_opt)
-        replicas.append(Replica(model, opt, lane, k))
+        opt_kw: Dict[str, Any] = dict(fused=True) if dev.type == "cuda" and args.fused_optimizer else {}
+        if args.step_graphs:
+            opt_kw["capturable"] = True  # step counts on the device: an update that can be replayed
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, **opt_kw)
+        replicas.append(Replica(model, opt, lane, k, args, loss_fn))
     del proto
     start_step = 0
     if args.resume:
         ckpt = checkpoint.find(Path(args.resume))
         for rep in replicas:
             start_step = checkpoint.load(ckpt, rep.model, rep.opt)
+            rep.bind_lr()
             rep.completed = start_step
         print(f"resumed from {ckpt} at step {start_step}", flush=True)
         if start_step >= args.steps:
             print(f"train.py: error: --resume {args.resume} is at step {start_step}, not before --steps "
                   f"{args.steps}: nothing to train", file=sys.stderr, flush=True)
             return 2
-    loss_fn = maybe_compile(args, models.ttt_loss, args.drafter_compile_mode)
     evalset = EvalSet.build(args, data, target_on(d_dev[0]), d_dev[0]) if rank == 0 else None
 
     run = Run(args, rank=rank, world=world)
@@ -436,7 +473,7 @@ def run_training(args: argparse.Namespace) -> int:
 
     def target_loop(j: int) -> None:
         lane = t_lanes[j]
-        fn = target_fns[t_dev[j]]
+        call = TargetCall(args, target_fns[t_dev[j]], lane)
         with lane.context():
             n = start_step * D + (j - start_step * D) % T  # local batch numbers n ≡ j (mod T), in increasing order
             while n < args.steps * D:
@@ -444,7 +481,7 @@ def run_training(args: argparse.Namespace) -> int:
                 if j == 0:
                     inject_fault(args, "target", s)
                 with host_lock:
-                    feats = target_step(run, args, data, fn, lane, (s * world + rank) * D + d, s, cudagraphs, timer)
+                    feats = target_step(run, args, data, call, lane, (s * world + rank) * D + d, s, timer)
                     ready = lane.record()
                 run.put(queues[d], (n, feats, ready))
                 run.throughput.add("target", tokens_per_batch)
@@ -466,7 +503,7 @@ def run_training(args: argparse.Namespace) -> int:
                     feats = rep.lane.fetch(item, ev)
                     del item
                     started = timer.start()
-                    rep.forward_backward(run, args, loss_fn, feats, first=True)
+                    rep.forward_backward(run, feats, first=True)
                     del feats
                 rep.update(run, d, s, lr_at(args, s))
                 timer.stop("drafter", s + 1, started)
@@ -478,7 +515,7 @@ def run_training(args: argparse.Namespace) -> int:
 
     def sequential_loop(w: int) -> None:
         rep = replicas[w]
-        fn = target_fns[d_dev[w]]
+        call = TargetCall(args, target_fns[d_dev[w]], rep.lane)
         mine = [d for d in range(D) if d % len(replicas) == w]
         with rep.lane.context():
             for s in range(start_step, args.steps):
@@ -486,11 +523,10 @@ def run_training(args: argparse.Namespace) -> int:
                     inject_fault(args, "target", s)
                     inject_fault(args, "drafter", s)
                 for m, d in enumerate(mine):
-                    feats = target_step(run, args, data, fn, rep.lane, (s * world + rank) * D + d, s, cudagraphs,
-                                        timer)
+                    feats = target_step(run, args, data, call, rep.lane, (s * world + rank) * D + d, s, timer)
                     run.throughput.add("target", tokens_per_batch)
                     started = timer.start()  # drafter interval per batch; the last one includes the update
-                    rep.forward_backward(run, args, loss_fn, feats, first=(m == 0))
+                    rep.forward_backward(run, feats, first=(m == 0))
                     del feats
                     if m == len(mine) - 1:
                         rep.update(run, w, s, lr_at(args, s))
@@ -598,27 +634,42 @@ def run_training(args: argparse.Namespace) -> int:
 
 
 def sync_all(devices: Sequence[torch.device]) -> None:
-    for dev in dict.fromkeys(devices):
-        torch.cuda.synchronize(dev)
+    graphs.synchronize(devices)  # waits for a --step-graphs capture in progress (a sync would break it)
 
 
-def target_step(run: Run, args: argparse.Namespace, data, fn: Callable, lane: Lane, index: int, step: int,
-                cudagraphs: bool, timer: PhaseTimer) -> Tuple[torch.Tensor, ...]:
+class TargetCall:
+    """How one thread runs the target: ``(tokens, pos, doc) -> (fused, vals, idx)``, tensors it may hand on.
+
+    The mask and the compiled forward, eagerly; under the compile mode's CUDA graphs (``reduce-overhead``) or, with
+    ``--step-graphs``, as one ``graphs.StepGraph`` of mask and forward. Graph outputs are overwritten by the next
+    replay, so those are copied before they go to a drafter."""
+
+    def __init__(self, args: argparse.Namespace, fn: Callable, lane: Lane) -> None:
+        self.fn, self.dense = fn, bool(args.target_hf)
+        self.cudagraphs = args.target_compile_mode == "reduce-overhead" and not args.no_compile
+        self.graph = graphs.StepGraph(self._forward, lane.stream) if args.step_graphs else None
+
+    def _forward(self, tokens: torch.Tensor, pos: torch.Tensor, doc: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+        mask = masks.target_mask(doc, dense=self.dense)
+        with torch.no_grad():
+            return self.fn(tokens, pos, mask)
+
+    def __call__(self, tokens: torch.Tensor, pos: torch.Tensor, doc: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+        if self.graph is not None:
+            return tuple(t.clone() for t in self.graph(tokens, pos, doc))
+        if self.cudagraphs:
+            torch.compiler.cudagraph_mark_step_begin()
+            return tuple(t.clone() for t in self._forward(tokens, pos, doc))
+        return self._forward(tokens, pos, doc)
+
+
+def target_step(run: Run, args: argparse.Namespace, data, call: TargetCall, lane: Lane, index: int, step: int,
+                timer: PhaseTimer) -> Tuple[torch.Tensor, ...]:
     """One target forward on the lane: data (a pure function of ``index``), mask, compiled forward."""
     batch = data.batch(index)
     tokens, doc, pos = upload(batch, lane, args.pin_memory)
-    mask = masks.target_mask(doc, dense=bool(args.target_hf))
     started = timer.start()
-
-    def forward():
-        with torch.no_grad():
-            if cudagraphs:
-                torch.compiler.cudagraph_mark_step_begin()
-                # CUDA-graph outputs are overwritten by the next replay: hand the drafters copies.
-                return tuple(t.clone() for t in fn(tokens, pos, mask))
-            return fn(tokens, pos, mask)
-
-    fused, vals, idx = run.call("target", forward)
+    fused, vals, idx = run.call("target", lambda: call(tokens, pos, doc))
     timer.stop("target", step + 1, started)
     return fused, vals, idx, tokens, pos, doc
 

@@ -67,6 +67,10 @@ def assert_one_line(proc: subprocess.CompletedProcess, *needles: str) -> None:
     (["--inject-fault", "boom"], "--inject-fault"),
     (["--target-compile-scope", "layer", "--target-compile-mode", "reduce-overhead"], "needs --target-compile-scope model"),
     (["--resume", "/nonexistent/run"], "--resume /nonexistent/run: no such file or directory"),
+    (["--step-graphs"], "--step-graphs needs CUDA devices"),
+    (["--step-graphs", "--devices", "cuda:0", "--no-streams"], "--step-graphs needs --streams"),
+    (["--step-graphs", "--devices", "cuda:0", "--drafter-compile-mode", "reduce-overhead"],
+     "--drafter-compile-mode reduce-overhead would nest them"),
 ])
 def test_bad_argument(args: List[str], needle: str) -> None:
     assert_one_line(bad_run(["--preset", "cpu-tiny", *args]), needle)
@@ -97,6 +101,11 @@ def test_resume_at_or_past_the_last_step(tmp_path: Path) -> None:
                                   ["--preset", "cpu-tiny", "--devices", "cuda"]])
 def test_cuda_requested_without_cuda(args: List[str]) -> None:
     assert_one_line(bad_run(args), "needs CUDA", "use --devices cpu")
+
+
+@pytest.mark.skipif(cuda_available(), reason="this machine has CUDA")
+def test_step_graphs_with_auto_devices_without_cuda() -> None:
+    assert_one_line(bad_run(["--preset", "cpu-tiny", "--devices", "auto", "--step-graphs"]), "--step-graphs needs CUDA")
 
 
 def test_no_ttc_bad_argument_still_one_line() -> None:
