@@ -6,12 +6,13 @@
 Parts, by default in this order (each run is a subprocess with its own timeout; a part that no longer fits the budget is
 reported as skipped, never left half-run):
 
-* ``small``  — preset ``cuda-small``: sequential ×2 vs threaded 3+2, 120 steps (30 excluded from steady).
-* ``multi``  — preset ``multi-gpu`` on one GPU: sequential ×1/×2/×3 vs threaded 1+1, 3+2, 5+3, 60 steps
-               (15 excluded).
+* ``small``  — preset ``cuda-small``: sequential ×2 vs threaded 3+2, sequential ×4 vs threaded 4+4 (the preset's),
+               1000 steps (200 excluded from steady: a step takes a few milliseconds).
+* ``multi``  — preset ``multi-gpu`` on one GPU: sequential ×1/×2/×3 vs threaded 1+1, 3+2, 5+3, 200 steps
+               (40 excluded).
 * ``8b``     — preset ``cuda-8b`` (Llama-3.1-8B-shaped target, EAGLE-3 drafter): threaded 1+1, 50 steps
                (10 excluded); then the sequential layout if the budget still allows it.
-* ``eager`` (optional, not in the default list) — ``cuda-small`` as ``small``, without CUDA graphs and with eager
+* ``eager`` (optional, not in the default list) — ``cuda-small`` threaded 3+2 without CUDA graphs and with eager
                mask building (the presets' defaults before they turned both on), to show what they buy.
 * ``profile`` (optional) — ``cuda-small`` threaded 3+2 with ``--profile`` (torch.profiler, 5 steady steps).
 
@@ -39,12 +40,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_trainer import Budget, compare_layouts, layout_table, steady  # noqa: E402
 
 PARTS = {
-    "small": dict(preset="cuda-small", steps=120, measure_after=30, pairs=[(3, 2)], timeout=170),
+    "small": dict(preset="cuda-small", steps=1000, measure_after=200, pairs=[(3, 2), (4, 4)], timeout=170),
     "8b": dict(preset="cuda-8b", steps=50, measure_after=10, pairs=[(1, 1)], timeout=330, hang=300),
-    "multi": dict(preset="multi-gpu", steps=60, measure_after=15, pairs=[(1, 1), (3, 2), (5, 3)], timeout=150),
+    "multi": dict(preset="multi-gpu", steps=200, measure_after=40, pairs=[(1, 1), (3, 2), (5, 3)], timeout=150),
     "eager": dict(preset="cuda-small", steps=120, measure_after=30, pairs=[(3, 2)], timeout=170,
-                  extra=["--target-compile-mode", "default", "--drafter-compile-mode", "default", "--mask-builder",
-                         "dense"]),
+                  extra=["--no-step-graphs", "--target-compile-mode", "default", "--drafter-compile-mode", "default",
+                         "--mask-builder", "dense"]),
     "profile": dict(preset="cuda-small", steps=60, measure_after=30, pairs=[(3, 2)], timeout=150,
                     extra=["--profile", "{out}/profile-cuda-small", "--profile-steps", "40:45"],
                     threaded_only=True),

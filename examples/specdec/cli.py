@@ -15,19 +15,18 @@ PRESETS: Dict[str, Dict[str, Any]] = {
     "cpu-tiny": dict(devices="cpu", target_threads=2, drafter_threads=2, steps=300, batch_size=4, seq_len=128,
                      vocab_size=256, target_dim=128, target_layers=4, target_heads=4, target_ffn=256,
                      ttt_steps=3, lr=3e-3, eval_every=50, log_every=25),
-    # several threads sharing one GPU. Both small CUDA presets put the target forward and the drafter step into
-    # CUDA graphs and build masks with one compiled call: a small model is bound by interpreter time (docs/trainer.md).
-    "cuda-small": dict(devices="cuda:0", target_threads=3, drafter_threads=2, steps=1000, batch_size=8,
+    # several threads sharing one GPU. Both small CUDA presets capture the target forward, the drafter step and
+    # the optimizer update as CUDA graphs (--step-graphs) and build masks with one compiled call: a small model is
+    # bound by interpreter time otherwise (docs/trainer.md). 4 + 4 threads: faster than 3 + 2 on an H200.
+    "cuda-small": dict(devices="cuda:0", target_threads=4, drafter_threads=4, steps=1000, batch_size=8,
                        seq_len=512, vocab_size=2048, target_dim=256, target_layers=6, target_heads=4,
                        target_ffn=704, ttt_steps=4, lr=3e-3, prior_strength=1.0, eval_every=100, log_every=50,
-                       target_dtype="bfloat16", autocast="bf16", target_compile_mode="reduce-overhead",
-                       drafter_compile_mode="reduce-overhead", mask_builder="compiled"),
+                       target_dtype="bfloat16", autocast="bf16", step_graphs=True, mask_builder="compiled"),
     # 5 target + 3 drafter threads spread round robin over every visible GPU.
     "multi-gpu": dict(devices="cuda", target_threads=5, drafter_threads=3, steps=2000, batch_size=8,
                       seq_len=1024, vocab_size=4096, target_dim=512, target_layers=8, target_heads=8,
                       target_ffn=1408, ttt_steps=5, lr=2e-3, prior_strength=1.0, eval_every=200, log_every=50,
-                      target_dtype="bfloat16", autocast="bf16", target_compile_mode="reduce-overhead",
-                      drafter_compile_mode="reduce-overhead", mask_builder="compiled"),
+                      target_dtype="bfloat16", autocast="bf16", step_graphs=True, mask_builder="compiled"),
     # Llama-3.1-8B-shaped target (random bf16 weights: same compute as the real model) and an EAGLE-3 drafter
     # for it (one decoder layer of the target's width, full-vocabulary LM head) on one GPU.
     "cuda-8b": dict(devices="cuda:0", target_threads=1, drafter_threads=1, steps=50, batch_size=4, seq_len=2048,
@@ -125,14 +124,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--step-graphs", action=argparse.BooleanOptionalAction,
                    help="CUDA only: capture each target forward, each drafter forward+backward and each optimizer "
                         "update as one CUDA graph (by hand, after two eager steps) and replay it: almost no "
-                        "interpreter time per batch. Compiled code inside runs in the default mode, so the "
-                        "compile modes default to 'default' with it (default off)")
+                        "interpreter time per batch. Compiled code inside runs in the default mode (default: on in the "
+                        "cuda-small and multi-gpu presets, off otherwise)")
     g.add_argument("--fused-optimizer", action=argparse.BooleanOptionalAction, default=True,
                    help="AdamW(fused=True) on CUDA (default on)")
     g.add_argument("--target-compile-mode", choices=COMPILE_MODES,
                    help="torch.compile mode of the target forward; 'reduce-overhead' = CUDA graphs (needs CUDA "
-                        "graphs to work from several threads); default 'default', 'reduce-overhead' on the "
-                        "cuda-small and multi-gpu presets")
+                        "graphs to work from several threads); default 'default' (the cuda-small and multi-gpu "
+                        "presets capture whole steps instead: --step-graphs)")
     g.add_argument("--mask-builder", choices=["dense", "compiled", "create_block_mask"],
                    help="how flex BlockMasks are built per batch: from one dense evaluation in eager ops "
                         "(dense, the default), the same ops compiled (compiled: fewer host calls; the cuda-small and "
@@ -182,12 +181,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def resolve(args: argparse.Namespace) -> argparse.Namespace:
     preset = PRESETS.get(args.preset or "", {})
-    if getattr(args, "step_graphs", None):
-        # The graphs are captured by hand: compiled code inside must not replay CUDA graphs of its own. Explicit
-        # modes stay as given (validate() rejects reduce-overhead); the presets' reduce-overhead does not apply.
-        for key in ("target_compile_mode", "drafter_compile_mode"):
-            if getattr(args, key) is None:
-                setattr(args, key, "default")
     for key, default in DEFAULTS.items():
         if getattr(args, key) is None:
             setattr(args, key, preset.get(key, default))
@@ -250,12 +243,13 @@ def validate(args: argparse.Namespace) -> Optional[str]:
         for flag, mode in (("--target-compile-mode", args.target_compile_mode),
                            ("--drafter-compile-mode", args.drafter_compile_mode)):
             if mode in ("reduce-overhead", "max-autotune"):
-                return f"--step-graphs captures CUDA graphs itself: {flag} {mode} would nest them (use default)"
+                return (f"--step-graphs captures CUDA graphs itself: {flag} {mode} would nest them (use default, "
+                        f"or --no-step-graphs)")
         if not args.streams:
             return "--step-graphs needs --streams (a CUDA graph cannot be captured on the default stream)"
         entries = device_list(args.devices)
         if "cpu" in entries or (args.devices != "auto" and not any(e.startswith("cuda") for e in entries)):
-            return f"--step-graphs needs CUDA devices (--devices {args.devices})"
+            return f"--step-graphs needs CUDA devices (--devices {args.devices}; --no-step-graphs turns it off)"
     if args.seq_len < args.ttt_steps + 2:
         return f"--seq-len {args.seq_len} is too short for --ttt-steps {args.ttt_steps} (needs at least k + 2)"
     spec = args.devices

@@ -126,3 +126,65 @@ def test_markov_batches_are_pure_and_follow_the_chain() -> None:
             if pos[r, t] >= 2:
                 assert tok[r, t] in data.succ[tok[r, t - 1]]
     assert abs(float(data.transition_logprobs().exp().sum(1).mean()) - 1.0) < 1e-5
+
+
+def test_step_graph_never_captures_while_another_graph_is_still_warming_up() -> None:
+    """--step-graphs: a capture while another thread still makes first calls (compiles, autotunes: device-wide
+    synchronisations) breaks the capture. A StepGraph past its own warm-up therefore stays eager, without blocking,
+    until every live StepGraph is warm. (CPU: nothing here may reach a capture.)"""
+    from specdec import graphs
+
+    calls = []
+    a = graphs.StepGraph(lambda x: calls.append(("a", x)), stream=object(), warmup=2)
+    b = graphs.StepGraph(lambda x: calls.append(("b", x)), stream=object(), warmup=2)
+    for i in range(5):
+        a(i)
+    assert not a.captured and calls == [("a", i) for i in range(5)]
+    assert not graphs.all_warm()
+    b(0)
+    assert not graphs.all_warm()
+    b(1)
+    assert graphs.all_warm()  # the next call of either would capture (needs CUDA)
+    with pytest.raises(ValueError, match="side stream"):
+        graphs.StepGraph(lambda: None, stream=None)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_step_graph_replays_with_new_inputs_and_trains_like_eager() -> None:
+    """A StepGraph of forward + backward + fused AdamW (capturable, tensor lr) gives the eager run's weights."""
+    from specdec import graphs
+
+    def make():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 1)).cuda()
+        lr = torch.full((), 1e-2, device="cuda")
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, fused=True, capturable=True)
+        return model, opt, lr
+
+    xs = [torch.randn(16, 32, device="cuda", generator=torch.Generator("cuda").manual_seed(i)) for i in range(8)]
+    ref, ref_opt, ref_lr = make()
+    for i, x in enumerate(xs):
+        ref_lr.fill_(1e-2 / (i + 1))
+        ref_opt.zero_grad(set_to_none=False)
+        ref(x).square().mean().backward()
+        ref_opt.step()
+    model, opt, lr = make()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+
+        def fwd_bwd(x):
+            model(x).square().mean().backward()
+
+        fb, update = graphs.StepGraph(fwd_bwd, stream), graphs.StepGraph(opt.step, stream)
+        for i, x in enumerate(xs):
+            lr.fill_(1e-2 / (i + 1))
+            for p in model.parameters():
+                p.grad.zero_()
+            fb(x)
+            update()
+    torch.cuda.synchronize()
+    assert fb.captured and update.captured
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
