@@ -247,9 +247,6 @@ def validate(args: argparse.Namespace) -> Optional[str]:
                         f"or --no-step-graphs)")
         if not args.streams:
             return "--step-graphs needs --streams (a CUDA graph cannot be captured on the default stream)"
-        entries = device_list(args.devices)
-        if "cpu" in entries or (args.devices != "auto" and not any(e.startswith("cuda") for e in entries)):
-            return f"--step-graphs needs CUDA devices (--devices {args.devices}; --no-step-graphs turns it off)"
     if args.seq_len < args.ttt_steps + 2:
         return f"--seq-len {args.seq_len} is too short for --ttt-steps {args.ttt_steps} (needs at least k + 2)"
     spec = args.devices
@@ -258,6 +255,8 @@ def validate(args: argparse.Namespace) -> Optional[str]:
         return f"--devices {spec!r}: expected 'auto', 'cpu', 'cuda' or a list like 'cuda:0,cuda:1'"
     if len({e.split(":")[0] for e in entries}) > 1:
         return f"--devices {spec!r}: mixes CPU and CUDA devices"
+    if args.step_graphs and entries[0] == "cpu":  # "auto" is checked once torch can tell (trainer.check_devices)
+        return f"--step-graphs needs CUDA devices (--devices {spec}; --no-step-graphs turns it off)"
     if args.inject_fault:
         m = re.fullmatch(r"(error|hang):(target|drafter):(\d+)", args.inject_fault)
         if not m:

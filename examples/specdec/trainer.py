@@ -232,7 +232,6 @@ class Replica:
             offset += p.numel()
         self.completed = 0  # last step whose optimizer update finished
         self.updating = False
-        self.args = args
         self.fwd_bwd = self._fwd_bwd_fn(args, loss_fn)
         self.fb_graph: Optional[graphs.StepGraph] = None
         self.update_graph: Optional[graphs.StepGraph] = None
@@ -255,6 +254,8 @@ class Replica:
         mark_step = args.drafter_compile_mode == "reduce-overhead" and not args.no_compile
 
         def fwd_bwd(fused, vals, idx, tokens, pos, doc) -> None:
+            if args.autocast == "off" and fused.dtype != torch.float32:
+                fused = fused.float()
             step_masks = masks.ttt_masks(doc, k)
             if mark_step:
                 torch.compiler.cudagraph_mark_step_begin()  # the stats output is consumed before the next replay
@@ -266,15 +267,12 @@ class Replica:
         return fwd_bwd
 
     def forward_backward(self, run: Run, feats: Sequence[torch.Tensor], first: bool) -> None:
-        fused, vals, idx, tokens, pos, doc = feats
-        if self.args.autocast == "off" and fused.dtype != torch.float32:
-            fused = fused.float()
         step = self.fb_graph or self.fwd_bwd
 
         def call() -> None:
             if first:
                 self.flat.zero_()
-            step(fused, vals, idx, tokens, pos, doc)
+            step(*feats)
 
         run.call("drafter", call)
 
@@ -410,7 +408,7 @@ def run_training(args: argparse.Namespace) -> int:
               flush=True)
     if cuda:
         # Worker streams do not wait for the default streams, on which everything above was built.
-        sync_all(devices)
+        graphs.synchronize(devices)
     keys = mean_attended_keys(data)
     flop_counts = {"target": flops.target_flops_per_token(target_shape(args, target0), keys),
                    "drafter": flops.drafter_flops_per_token(
@@ -436,11 +434,11 @@ def run_training(args: argparse.Namespace) -> int:
         checkpoints. Only evaluation and checkpoints wait for the GPU."""
         if step == mark_after:
             if cuda:
-                sync_all(devices)
+                graphs.synchronize(devices)
             run.throughput.mark()
         if step == args.steps:
             if cuda:
-                sync_all(devices)
+                graphs.synchronize(devices)
             run.throughput.close()
         if prof_range is not None:
             if step == prof_range[0] and not profiler:
@@ -561,7 +559,7 @@ def run_training(args: argparse.Namespace) -> int:
     sync_error = None
     if cuda:
         try:
-            sync_all(devices)
+            graphs.synchronize(devices)
         except Exception as e:  # a sticky CUDA error from a dead thread
             sync_error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     run.throughput.close()
@@ -631,10 +629,6 @@ def run_training(args: argparse.Namespace) -> int:
 
         dist.destroy_process_group()
     return {"ok": 0, "error": 1, "interrupted": 130}[status]
-
-
-def sync_all(devices: Sequence[torch.device]) -> None:
-    graphs.synchronize(devices)  # waits for a --step-graphs capture in progress (a sync would break it)
 
 
 class TargetCall:
