@@ -15,7 +15,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -25,29 +25,31 @@ BOS = 0
 
 @dataclass
 class Batch:
+    """One batch: ``packed`` is ``[3, B, S]`` int64 (tokens, document ids, in-document positions), so it travels to
+    a device as one copy; ``tokens``, ``doc`` and ``pos`` are views of it."""
+
     index: int
-    tokens: torch.Tensor  # [B, S] int64
-    doc: torch.Tensor  # [B, S] int64 document id inside each row
-    pos: torch.Tensor  # [B, S] int64 position inside the document
+    packed: torch.Tensor
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        return self.packed[0]
+
+    @property
+    def doc(self) -> torch.Tensor:
+        return self.packed[1]
+
+    @property
+    def pos(self) -> torch.Tensor:
+        return self.packed[2]
 
     def to(self, device: torch.device) -> "Batch":
-        return Batch(self.index, self.tokens.to(device), self.doc.to(device), self.pos.to(device))
-
-
-def _pack(docs: Sequence[np.ndarray], seq_len: int) -> tuple:
-    """Concatenate documents into one row of ``seq_len`` tokens (the last one truncated)."""
-    toks, doc, pos = [], [], []
-    for d_id, d in enumerate(docs):
-        toks.append(d)
-        doc.append(np.full(len(d), d_id))
-        pos.append(np.arange(len(d)))
-    cat = lambda xs: np.concatenate(xs)[:seq_len]  # noqa: E731
-    return cat(toks), cat(doc), cat(pos)
+        return Batch(self.index, self.packed.to(device))
 
 
 def _stack(index: int, rows: List[tuple]) -> Batch:
-    t, d, p = (torch.from_numpy(np.stack([r[j] for r in rows]).astype(np.int64)) for j in range(3))
-    return Batch(index, t, d, p)
+    packed = np.stack([np.stack([r[j] for r in rows]) for j in range(3)]).astype(np.int64)
+    return Batch(index, torch.from_numpy(packed))
 
 
 class MarkovData:
@@ -62,7 +64,7 @@ class MarkovData:
     """
 
     def __init__(self, vocab_size: int, batch_size: int, seq_len: int, seed: int = 0, branch: int = 4,
-                 min_doc: int = 16, max_doc: Optional[int] = None, block: int = 16) -> None:
+                 min_doc: int = 16, max_doc: Optional[int] = None, block: int = 16, pin_memory: bool = False) -> None:
         if vocab_size <= branch:
             raise ValueError(f"vocab_size {vocab_size} must exceed the branching factor {branch}")
         self.vocab_size, self.batch_size, self.seq_len, self.seed = vocab_size, batch_size, seq_len, seed
@@ -91,9 +93,12 @@ class MarkovData:
         counts = np.stack([(choice == c).sum(1) for c in range(branch)], axis=1)
         self.probs = counts / self.levels
         self.table = np.take_along_axis(succ, choice, axis=1).astype(np.int64).ravel()  # [V * levels]
+        self.table2 = np.concatenate([self.table, np.arange(vocab_size, dtype=np.int64)])  # + identity (_chain)
         self.block, self.cached_blocks = max(1, block), 4
+        self.pin_memory = pin_memory
         self._lock = threading.Lock()
-        self._cache: "OrderedDict[int, List[Batch]]" = OrderedDict()
+        # block key -> its batches, or the Event of the thread making it
+        self._cache: "OrderedDict[int, Union[List[Batch], threading.Event]]" = OrderedDict()
 
     def transition_logprobs(self, floor: float = 1e-3) -> torch.Tensor:
         """``[V, V]`` log transition probabilities (floored), used as the built-in target's bigram prior."""
@@ -102,11 +107,18 @@ class MarkovData:
         np.add.at(T, (rows, self.succ.ravel()), self.probs.ravel())
         return torch.from_numpy(np.log(T / T.sum(1, keepdims=True))).float()
 
-    def _layout(self, rng: np.random.Generator, lengths: np.ndarray, seq_len: int) -> tuple:
+    def _draws(self, index: int) -> tuple:
+        """Batch ``index``'s random draws, from its own seed stream: document lengths ``[B, N]``, the uniform
+        tokens and the quantised successor choices ``[B, S]``."""
+        rng = np.random.default_rng([self.seed, index])
+        n_docs = self.seq_len // self.min_doc + 1
+        lengths = rng.integers(self.min_doc, self.max_doc + 1, size=(self.batch_size, n_docs))
+        shape = (self.batch_size, self.seq_len)
+        return lengths, rng.integers(1, self.vocab_size, size=shape), rng.integers(0, self.levels, size=shape)
+
+    def _layout(self, lengths: np.ndarray, seq_len: int) -> tuple:
         """Rows of packed documents with the given lengths ``[R, N]`` (cumulative sum must reach ``seq_len``):
-        document ids and in-document positions ``[R, seq_len]``, and the chain's inputs, time-major ``[seq_len, R]``:
-        the token where a position does not follow the chain (BOS, or a uniform token at position 1), whether it
-        follows it, and the quantised choice of successor."""
+        document ids and in-document positions ``[R, seq_len]``."""
         rows = lengths.shape[0]
         ends = np.cumsum(lengths, axis=1)
         # Document index of every position: one searchsorted over all rows (row r's ends shifted by r * span
@@ -116,66 +128,101 @@ class MarkovData:
         t = np.arange(seq_len)
         doc = np.searchsorted((ends + shift).ravel(), (t[None, :] + shift).ravel(), side="right").reshape(rows, seq_len)
         doc -= (np.arange(rows) * lengths.shape[1])[:, None]
-        starts = ends - lengths
-        pos = t[None, :] - np.take_along_axis(starts, doc, axis=1)
-        # Position 0 of a document is BOS, position 1 a uniform random token, later ones follow the chain.
-        fixed = np.where(pos == 0, BOS, rng.integers(1, self.vocab_size, size=(rows, seq_len))).T
-        level = rng.integers(0, self.levels, size=(rows, seq_len)).T
-        return doc, pos, fixed, (pos >= 2).T, level
+        pos = t[None, :] - np.take_along_axis(ends - lengths, doc, axis=1)
+        return doc, pos
 
-    def _chain(self, fixed: np.ndarray, free: np.ndarray, level: np.ndarray) -> np.ndarray:
-        """Run the chain over time-major inputs ``[seq_len, R]``: one small numpy step per position for all rows
-        at once (the rows are independent, so how many are stepped together changes nothing). Returns ``[R, S]``."""
-        fixed, free, level = (np.ascontiguousarray(a) for a in (fixed, free, level))
-        table, levels = self.table, self.levels
-        out = np.empty(fixed.shape, dtype=np.int64)
-        prev = np.zeros(fixed.shape[1], dtype=np.int64)
-        for i in range(fixed.shape[0]):
-            prev = np.where(free[i], table[prev * levels + level[i]], fixed[i])
-            out[i] = prev
+    def _chain(self, pos: np.ndarray, uniform: np.ndarray, level: np.ndarray) -> np.ndarray:
+        """Tokens ``[R, S]``: position 0 of a document is BOS, position 1 the uniform token, later ones follow the
+        chain (``level`` picks the successor). One small numpy step per position for all rows at once (rows are
+        independent, so how many are stepped together changes nothing).
+
+        Every position is one gather, ``token = table2[prev * mult + add]``: ``table2`` is the choice table followed
+        by the identity, and a position that does not follow the chain gets ``mult = 0`` and ``add`` pointing at
+        its fixed token in the identity part. Three in-place ufunc calls per position, no temporaries."""
+        vocab, levels = self.vocab_size, self.levels
+        free = pos >= 2
+        fixed = np.where(pos == 0, BOS, uniform)
+        mult = np.ascontiguousarray(np.where(free, levels, 0).T)
+        add = np.ascontiguousarray(np.where(free, level, vocab * levels + fixed).T)
+        take, multiply = self.table2.take, np.multiply
+        out = np.empty(mult.shape, dtype=np.int64)
+        idx = np.empty(mult.shape[1], dtype=np.int64)
+        prev = np.zeros_like(idx)
+        for i in range(mult.shape[0]):
+            multiply(prev, mult[i], out=idx)
+            idx += add[i]
+            prev = out[i]
+            take(idx, out=prev)
         return out.T
-
-    def _generate(self, rng: np.random.Generator, lengths: np.ndarray, seq_len: int) -> tuple:
-        doc, pos, fixed, free, level = self._layout(rng, lengths, seq_len)
-        return self._chain(fixed, free, level), doc, pos
 
     def batches(self, indices: Sequence[int]) -> List[Batch]:
         """``[batch(i) for i in indices]``, generated together: each batch draws from its own seed stream exactly
-        as ``batch`` does, and one chain loop steps the rows of all of them (the loop's cost is per position, not
-        per row: 16 batches cost about what two did one at a time)."""
-        n_docs = self.seq_len // self.min_doc + 1
-        parts = []
-        for index in indices:
-            rng = np.random.default_rng([self.seed, index])
-            lengths = rng.integers(self.min_doc, self.max_doc + 1, size=(self.batch_size, n_docs))
-            parts.append(self._layout(rng, lengths, self.seq_len))
-        toks = self._chain(*(np.concatenate([p[j] for p in parts], axis=1) for j in (2, 3, 4)))
-        out = []
-        for k, (index, (doc, pos, *_)) in enumerate(zip(indices, parts)):
-            rows = toks[k * self.batch_size:(k + 1) * self.batch_size]
-            out.append(Batch(index, *(torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
-                                      for a in (rows, doc, pos))))
-        return out
+        as ``batch`` does, and the layout and the chain run once over the rows of all of them (the chain's cost is
+        per position, not per row: 16 batches cost little more than one). Each batch is a view of one
+        ``[n, 3, B, S]`` tensor (pinned when the data was made with ``pin_memory=True``)."""
+        draws = [self._draws(i) for i in indices]
+        lengths, uniform, level = (np.concatenate([d[j] for d in draws]) for j in range(3))
+        doc, pos = self._layout(lengths, self.seq_len)
+        toks = self._chain(pos, uniform, level)
+        shape = (len(draws), self.batch_size, self.seq_len)
+        packed = torch.from_numpy(np.stack([a.reshape(shape) for a in (toks, doc, pos)], axis=1))
+        if self.pin_memory:
+            packed = packed.pin_memory()
+        return [Batch(index, packed[k]) for k, index in enumerate(indices)]
 
     def batch(self, index: int) -> Batch:
         """Batch ``index`` (a pure function of it). Batches are made ``block`` at a time (``batches``) and kept in a
-        small cache shared by the threads that ask: the trainer's threads ask for consecutive indices. (Under
-        torchrun a rank uses D of every WORLD x D consecutive indices, so a block also makes other ranks' batches:
-        host work, never a different batch.)"""
-        key = index // self.block
+        small cache shared by the threads that ask: the trainer's threads ask for consecutive indices. A block is
+        made outside the cache's lock by the first thread that needs it (others that need the same block wait for
+        it, others not), and a thread that takes a batch from the second half of a block makes the next block
+        first if nobody has started it: threads that ask for consecutive batches rarely wait. (Under torchrun a
+        rank uses D of every WORLD x D consecutive indices, so a block also makes other ranks' batches: host work,
+        never a different batch.)"""
+        key, offset = divmod(index, self.block)
+        if self.block > 1 and offset >= self.block // 2:
+            self._block(key + 1, wait=False)
+        return self._block(key, wait=True)[offset]  # type: ignore[index]
+
+    def _block(self, key: int, wait: bool) -> Optional[List[Batch]]:
+        """Block ``key`` from the cache, made here if nobody has started it; if another thread is making it: wait
+        for it (``wait``) or return None."""
         with self._lock:
-            cached = self._cache.get(key)
-            if cached is None:
-                cached = self._cache[key] = self.batches(range(key * self.block, (key + 1) * self.block))
+            entry = self._cache.get(key)
+            if entry is None:
+                entry = self._cache[key] = threading.Event()
                 while len(self._cache) > self.cached_blocks:
                     self._cache.popitem(last=False)
-        return cached[index - key * self.block]
+                mine = True
+            else:
+                mine = False
+        if not mine:
+            if isinstance(entry, threading.Event):
+                if not wait:
+                    return None
+                entry.wait()
+                with self._lock:  # evicted meanwhile (a thread far behind the others): make it again
+                    entry = self._cache.get(key)
+                return entry if isinstance(entry, list) else self._make(key)
+            return entry
+        return self._make(key, entry)
+
+    def _make(self, key: int, event: Optional[threading.Event] = None) -> List[Batch]:
+        made = self.batches(range(key * self.block, (key + 1) * self.block))
+        with self._lock:
+            if event is None or self._cache.get(key) is event:
+                self._cache[key] = made
+        if event is not None:
+            event.set()
+        return made
 
     def prompts(self, count: int, length: int, seed: int) -> torch.Tensor:
         """``[count, length]`` single-document prompts (held out: their own seed stream)."""
         rng = np.random.default_rng([self.seed, seed, 999])
-        toks, _, _ = self._generate(rng, np.full((count, 1), length), length)
-        return torch.from_numpy(np.ascontiguousarray(toks))
+        lengths = np.full((count, 1), length)
+        uniform = rng.integers(1, self.vocab_size, size=(count, length))
+        level = rng.integers(0, self.levels, size=(count, length))
+        _, pos = self._layout(lengths, length)
+        return torch.from_numpy(np.ascontiguousarray(self._chain(pos, uniform, level)))
 
 
 class ByteTokenizer:

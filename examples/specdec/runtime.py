@@ -22,6 +22,7 @@ stream order.
 from __future__ import annotations
 
 import contextlib
+import functools
 import queue
 import threading
 import time
@@ -30,7 +31,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import metrics
+from . import graphs, metrics
 
 Event = Optional["torch.cuda.Event"]
 
@@ -124,14 +125,21 @@ class Reducer:
     (deterministic) into a persistent buffer, divides by ``divisor`` (the batches that went into the sums),
     all-reduces across ranks and post-processes (gradient clipping); after a second barrier every thread copies
     the result into its own buffer, in place. One thread and one process: no barrier, no copy.
+
+    ``graph=True`` (``--step-graphs``, one process, every buffer on the leader's device and a stream): the leader's
+    part (sum, average, clipping, its own copy of the result) is one ``graphs.StepGraph``, which reads the same
+    persistent buffers at every replay; only the waits for the other threads' events stay outside it.
     """
 
-    def __init__(self, n: int, divisor: int, world: int, post: Callable[[torch.Tensor], None]) -> None:
+    def __init__(self, n: int, divisor: int, world: int, post: Callable[[torch.Tensor], None],
+                 graph: bool = False) -> None:
         self.n, self.divisor, self.world, self.post = n, divisor, world, post
         self.barrier = threading.Barrier(n) if n > 1 else None
         self.slots: List[Optional[Tuple[torch.Tensor, Event]]] = [None] * n
         self.total: Optional[torch.Tensor] = None
         self.done: Event = None
+        self.use_graph = graph and world == 1
+        self.graph: Optional[Any] = None
 
     def _finish(self, total: torch.Tensor) -> None:
         if self.divisor != 1:
@@ -148,27 +156,55 @@ class Reducer:
             total.div_(self.world)
         self.post(total)
 
+    def _sum_local(self) -> None:
+        """Leader, every buffer on its device (events already waited for): total = average, clipped; the leader's
+        own buffer = total."""
+        total = self.total
+        bufs = [slot[0] for slot in self.slots]  # type: ignore[index]
+        total.copy_(bufs[0])  # type: ignore[union-attr]
+        for t in bufs[1:]:
+            total.add_(t)  # type: ignore[union-attr]
+        self._finish(total)  # type: ignore[arg-type]
+        bufs[0].copy_(total)  # type: ignore[arg-type]
+
+    def _leader(self, lane: Lane) -> None:
+        if self.total is None:
+            self.total = torch.empty_like(self.slots[0][0])  # type: ignore[index]
+            local = all(t.device == self.total.device for t, _ in self.slots)  # type: ignore[misc]
+            if self.use_graph and local and lane.stream is not None:
+                self.graph = graphs.StepGraph(self._sum_local, lane.stream)
+        if self.graph is not None:
+            for _, ev in self.slots[1:]:  # type: ignore[misc]
+                lane.wait(ev)
+            self.graph()
+            return
+        for j, (t, ev) in enumerate(self.slots):  # type: ignore[misc]
+            if j == 0:
+                self.total.copy_(t)
+            elif t.device == self.total.device:
+                lane.wait(ev)
+                self.total.add_(t)
+            else:
+                self.total.add_(lane.fetch([t], ev)[0])
+        self._finish(self.total)
+
     def __call__(self, idx: int, flat: torch.Tensor, lane: Lane) -> None:
         if self.barrier is None:
-            self._finish(flat)
+            if self.graph is None and self.use_graph and lane.stream is not None:
+                self.graph = graphs.StepGraph(functools.partial(self._finish, flat), lane.stream)  # one buffer
+            if self.graph is not None:
+                self.graph()
+            else:
+                self._finish(flat)
             return
         self.slots[idx] = (flat, lane.record())
         self.barrier.wait()
         if idx == 0:
-            if self.total is None:
-                self.total = torch.empty_like(flat)
-            for j, (t, ev) in enumerate(self.slots):
-                if j == 0:
-                    self.total.copy_(t)
-                elif t.device == self.total.device:
-                    lane.wait(ev)
-                    self.total.add_(t)
-                else:
-                    self.total.add_(lane.fetch([t], ev)[0])
-            self._finish(self.total)
+            self._leader(lane)
             self.done = lane.record()
         self.barrier.wait()
-        lane.copy_into(flat, self.total, self.done)
+        if idx != 0 or self.graph is None:  # the leader's graph copied the result already
+            lane.copy_into(flat, self.total, self.done)  # type: ignore[arg-type]
 
     def abort(self) -> None:
         if self.barrier is not None:
@@ -208,17 +244,19 @@ class StatsLog:
 
 
 class PhaseTimer:
-    """GPU time of each target forward and drafter step, from CUDA events around them on the thread's stream
-    (read once at the end, so no synchronisation in the loop). With concurrent streams an interval also contains
-    other threads' kernels that ran meanwhile: exact for the sequential layout, an upper bound otherwise."""
+    """GPU time of target forwards and drafter steps, from CUDA events around them on the thread's stream (read
+    once at the end, so no synchronisation in the loop), at every ``every``-th step (a sample: two events per
+    interval are interpreter time that every thread pays under one GIL). With concurrent streams an interval also
+    contains other threads' kernels that ran meanwhile: exact for the sequential layout, an upper bound otherwise."""
 
-    def __init__(self, enabled: bool) -> None:
-        self.enabled = enabled
+    def __init__(self, enabled: bool, every: int = 4) -> None:
+        self.enabled, self.every = enabled, max(1, every)
         self.lock = threading.Lock()
         self.events: Dict[str, List[Tuple[int, Any, Any]]] = {}
 
-    def start(self) -> Any:
-        if not self.enabled:
+    def start(self, step: int) -> Any:
+        """An event for an interval of step ``step`` (0-based), or None when that step is not sampled."""
+        if not self.enabled or step % self.every:
             return None
         ev = torch.cuda.Event(enable_timing=True)
         ev.record()

@@ -62,11 +62,12 @@ def parse_devices(spec: str) -> List[torch.device]:
 
 
 # ------------------------------------------------------------------------------------------------- set-up
-def build_data(args: argparse.Namespace):
+def build_data(args: argparse.Namespace, pin: bool = False):
+    """The batch source; ``pin``: synthetic batches are made in pinned memory (for asynchronous uploads)."""
     if args.data:
         tok = data_mod.load_tokenizer(args.tokenizer or (args.target_hf if data_mod.has_tokenizer(args.target_hf) else None))
         return data_mod.TextData(args.data, tok, args.batch_size, args.seq_len, seed=args.seed)
-    return data_mod.MarkovData(args.vocab_size, args.batch_size, args.seq_len, seed=args.seed)
+    return data_mod.MarkovData(args.vocab_size, args.batch_size, args.seq_len, seed=args.seed, pin_memory=pin)
 
 
 def build_target(args: argparse.Namespace, data, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
@@ -200,16 +201,16 @@ def inject_fault(args: argparse.Namespace, thread: str, step: int) -> None:
             time.sleep(1.0)
 
 
-def upload(batch: data_mod.Batch, lane: Lane, pin: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """tokens, doc, pos on the lane's device: one stacked host tensor, pinned, copied asynchronously on the lane's
-    stream (a pageable copy would make the thread wait for the GPU)."""
-    host = torch.stack([batch.tokens, batch.doc, batch.pos])
-    if lane.cuda:
-        if pin:
-            host = host.pin_memory()
-        host = host.to(lane.device, non_blocking=pin)
-    tokens, doc, pos = host.unbind(0)
-    return tokens, doc, pos
+def upload(batch: data_mod.Batch, lane: Lane, pin: bool) -> torch.Tensor:
+    """The batch's ``[3, B, S]`` (tokens, doc, pos) on the lane's device: one copy, from pinned memory and
+    asynchronous on the lane's stream (a pageable copy would make the thread wait for the GPU). Synthetic data
+    comes pinned already (a block of batches is pinned at once); other sources are pinned here."""
+    host = batch.packed
+    if not lane.cuda:
+        return host
+    if pin and not host.is_pinned():
+        host = host.pin_memory()
+    return host.to(lane.device, non_blocking=pin)
 
 
 class Replica:
@@ -253,7 +254,8 @@ class Replica:
         k, n_grad = self.k, self.n_grad
         mark_step = args.drafter_compile_mode == "reduce-overhead" and not args.no_compile
 
-        def fwd_bwd(fused, vals, idx, tokens, pos, doc) -> None:
+        def fwd_bwd(fused, vals, idx, packed) -> None:
+            tokens, doc, pos = packed.unbind(0)
             if args.autocast == "off" and fused.dtype != torch.float32:
                 fused = fused.float()
             step_masks = masks.ttt_masks(doc, k)
@@ -320,7 +322,7 @@ def run_training(args: argparse.Namespace) -> int:
     out_dtype = target_dtype if target_dtype != torch.float32 else None
     k = args.ttt_steps
 
-    data = build_data(args)
+    data = build_data(args, pin=cuda and args.pin_memory)
     first_dev = t_dev[0]
     target0 = build_target(args, data, first_dev, target_dtype)
     dcfg = drafter_config(args, target0)
@@ -386,7 +388,7 @@ def run_training(args: argparse.Namespace) -> int:
         if args.grad_clip > 0:
             g.mul_(torch.clamp(args.grad_clip / (norm + 1e-6), max=1.0))
 
-    run.reducer = Reducer(len(replicas), D, world, clip)
+    run.reducer = Reducer(len(replicas), D, world, clip, graph=bool(args.step_graphs))
     tokens_per_batch = args.batch_size * args.seq_len
     summary: Dict[str, Any] = {"tau_initial": None, "tau_final": None}
     leader = replicas[0]
@@ -500,7 +502,7 @@ def run_training(args: argparse.Namespace) -> int:
                 with host_lock:
                     feats = rep.lane.fetch(item, ev)
                     del item
-                    started = timer.start()
+                    started = timer.start(s)
                     rep.forward_backward(run, feats, first=True)
                     del feats
                 rep.update(run, d, s, lr_at(args, s))
@@ -523,7 +525,7 @@ def run_training(args: argparse.Namespace) -> int:
                 for m, d in enumerate(mine):
                     feats = target_step(run, args, data, call, rep.lane, (s * world + rank) * D + d, s, timer)
                     run.throughput.add("target", tokens_per_batch)
-                    started = timer.start()  # drafter interval per batch; the last one includes the update
+                    started = timer.start(s)  # drafter interval per batch; the last one includes the update
                     rep.forward_backward(run, feats, first=(m == 0))
                     del feats
                     if m == len(mine) - 1:
@@ -632,7 +634,7 @@ def run_training(args: argparse.Namespace) -> int:
 
 
 class TargetCall:
-    """How one thread runs the target: ``(tokens, pos, doc) -> (fused, vals, idx)``, tensors it may hand on.
+    """How one thread runs the target: ``packed [3, B, S] -> (fused, vals, idx)``, tensors it may hand on.
 
     The mask and the compiled forward, eagerly; under the compile mode's CUDA graphs (``reduce-overhead``) or, with
     ``--step-graphs``, as one ``graphs.StepGraph`` of mask and forward. Graph outputs are overwritten by the next
@@ -643,29 +645,30 @@ class TargetCall:
         self.cudagraphs = args.target_compile_mode == "reduce-overhead" and not args.no_compile
         self.graph = graphs.StepGraph(self._forward, lane.stream) if args.step_graphs else None
 
-    def _forward(self, tokens: torch.Tensor, pos: torch.Tensor, doc: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+    def _forward(self, packed: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+        tokens, doc, pos = packed.unbind(0)
         mask = masks.target_mask(doc, dense=self.dense)
         with torch.no_grad():
             return self.fn(tokens, pos, mask)
 
-    def __call__(self, tokens: torch.Tensor, pos: torch.Tensor, doc: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+    def __call__(self, packed: torch.Tensor) -> Tuple[torch.Tensor, ...]:
         if self.graph is not None:
-            return tuple(t.clone() for t in self.graph(tokens, pos, doc))
+            return tuple(t.clone() for t in self.graph(packed))
         if self.cudagraphs:
             torch.compiler.cudagraph_mark_step_begin()
-            return tuple(t.clone() for t in self._forward(tokens, pos, doc))
-        return self._forward(tokens, pos, doc)
+            return tuple(t.clone() for t in self._forward(packed))
+        return self._forward(packed)
 
 
 def target_step(run: Run, args: argparse.Namespace, data, call: TargetCall, lane: Lane, index: int, step: int,
                 timer: PhaseTimer) -> Tuple[torch.Tensor, ...]:
-    """One target forward on the lane: data (a pure function of ``index``), mask, compiled forward."""
-    batch = data.batch(index)
-    tokens, doc, pos = upload(batch, lane, args.pin_memory)
-    started = timer.start()
-    fused, vals, idx = run.call("target", lambda: call(tokens, pos, doc))
+    """One target forward on the lane: data (a pure function of ``index``), mask, compiled forward. Returns what
+    the drafter step takes: ``(fused, vals, idx, packed)``."""
+    packed = upload(data.batch(index), lane, args.pin_memory)
+    started = timer.start(step)
+    fused, vals, idx = run.call("target", lambda: call(packed))
     timer.stop("target", step + 1, started)
-    return fused, vals, idx, tokens, pos, doc
+    return fused, vals, idx, packed
 
 
 def save_checkpoint(out: Path, rep: Replica, step: int, args: argparse.Namespace, batches_per_step: int) -> str:

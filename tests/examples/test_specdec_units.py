@@ -188,3 +188,51 @@ def test_step_graph_replays_with_new_inputs_and_trains_like_eager() -> None:
     assert fb.captured and update.captured
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_reducer_as_step_graph_averages_and_clips_like_eager() -> None:
+    """--step-graphs: the leader's sum, average and clipping replayed as one graph give every thread, at every
+    step, what the eager reducer gives (three threads on three streams of one GPU, new gradients each step)."""
+    import threading
+
+    from specdec import graphs
+    from specdec.runtime import Lane, Reducer
+
+    n, size, steps = 3, 1000, 6
+
+    def clip(total: torch.Tensor) -> None:
+        g = total[:-1]
+        norm = g.norm()
+        total[-1] = norm
+        g.mul_(torch.clamp(1.0 / (norm + 1e-6), max=1.0))
+
+    def run(graph: bool):
+        reducer = Reducer(n, n, 1, clip, graph=graph)
+        lanes = [Lane(torch.device("cuda:0"), True) for _ in range(n)]
+        flats = [torch.zeros(size, device="cuda") for _ in range(n)]
+        seen = [[None] * steps for _ in range(n)]
+
+        def worker(i: int) -> None:
+            with lanes[i].context():
+                for s in range(steps):
+                    gen = torch.Generator("cuda").manual_seed(100 * s + i)
+                    flats[i].copy_(torch.randn(size, device="cuda", generator=gen) * (s + 1))
+                    reducer(i, flats[i], lanes[i])
+                    seen[i][s] = flats[i].clone()
+
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        graphs.synchronize([torch.device("cuda:0")])
+        return reducer, seen
+
+    eager_reducer, eager = run(graph=False)
+    graph_reducer, replayed = run(graph=True)
+    assert eager_reducer.graph is None and graph_reducer.graph is not None and graph_reducer.graph.captured
+    for i in range(n):
+        for s in range(steps):
+            torch.testing.assert_close(replayed[i][s], eager[i][s])
+        assert not torch.equal(eager[i][0], eager[i][-1])  # new gradients every step, not one replay repeated
