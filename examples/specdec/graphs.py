@@ -78,7 +78,8 @@ class StepGraph:
             self._capture(inputs)
         # One call for all input copies (a multi-tensor kernel where torch has it): per-call interpreter time is
         # what threads sharing one GIL run out of.
-        torch._foreach_copy_(self.static, [t for t in inputs if t is not None], non_blocking=True)
+        if self.static:  # (a graph without inputs, e.g. the optimizer update, has nothing to copy)
+            torch._foreach_copy_(self.static, [t for t in inputs if t is not None], non_blocking=True)
         self.graph.replay()  # type: ignore[union-attr]
         return self.outputs
 

@@ -212,20 +212,27 @@ def test_reducer_as_step_graph_averages_and_clips_like_eager() -> None:
         lanes = [Lane(torch.device("cuda:0"), True) for _ in range(n)]
         flats = [torch.zeros(size, device="cuda") for _ in range(n)]
         seen = [[None] * steps for _ in range(n)]
+        errors: list = []
 
         def worker(i: int) -> None:
-            with lanes[i].context():
-                for s in range(steps):
-                    gen = torch.Generator("cuda").manual_seed(100 * s + i)
-                    flats[i].copy_(torch.randn(size, device="cuda", generator=gen) * (s + 1))
-                    reducer(i, flats[i], lanes[i])
-                    seen[i][s] = flats[i].clone()
+            try:
+                with lanes[i].context():
+                    for s in range(steps):
+                        gen = torch.Generator("cuda").manual_seed(100 * s + i)
+                        flats[i].copy_(torch.randn(size, device="cuda", generator=gen) * (s + 1))
+                        reducer(i, flats[i], lanes[i])
+                        seen[i][s] = flats[i].clone()
+            except BaseException as e:  # noqa: BLE001 - reported below; the abort frees the other threads
+                errors.append(e)
+                reducer.abort()
 
-        threads = [threading.Thread(target=worker, args=(i,)) for i in range(n)]
+        threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(n)]
         for t in threads:
             t.start()
         for t in threads:
-            t.join()
+            t.join(timeout=60)
+        assert not any(t.is_alive() for t in threads), "reducer threads still running after 60 s"
+        assert not errors, errors[0]
         graphs.synchronize([torch.device("cuda:0")])
         return reducer, seen
 
@@ -236,3 +243,24 @@ def test_reducer_as_step_graph_averages_and_clips_like_eager() -> None:
         for s in range(steps):
             torch.testing.assert_close(replayed[i][s], eager[i][s])
         assert not torch.equal(eager[i][0], eager[i][-1])  # new gradients every step, not one replay repeated
+
+
+def test_captured_step_graph_copies_inputs_then_replays() -> None:
+    """After capture (a stand-in graph here: CPU), each call copies the new tensor inputs into the static ones in
+    one call (``None`` inputs skipped) and replays; a graph without inputs (the optimizer update) just replays."""
+    from specdec import graphs
+
+    class Replays:
+        count = 0
+
+        def replay(self) -> None:
+            self.count += 1
+
+    with_inputs = graphs.StepGraph(lambda x, y, z: None, stream=object(), warmup=0)
+    with_inputs.graph, with_inputs.static = Replays(), [torch.zeros(2), torch.zeros(3, dtype=torch.long)]
+    with_inputs(torch.ones(2), None, torch.arange(3))
+    assert torch.equal(with_inputs.static[0], torch.ones(2)) and torch.equal(with_inputs.static[1], torch.arange(3))
+    without = graphs.StepGraph(lambda: None, stream=object(), warmup=0)
+    without.graph = Replays()
+    without()
+    assert with_inputs.graph.count == 1 and without.graph.count == 1
