@@ -9,11 +9,13 @@ every thread. Here each piece is one graph:
 * target: BlockMask + forward, under ``no_grad``;
 * drafter: the k TTT BlockMasks, forward, ``backward`` (gradients accumulate into the replica's flat buffer) and the
   step's statistics;
-* update: the optimizer step (fused AdamW with ``capturable=True`` and a tensor learning rate).
+* update: the optimizer step (fused AdamW with ``capturable=True`` and a tensor learning rate);
+* gradient average (``runtime.Reducer``, one process): the leader's sum of every replica's buffer, the division,
+  the clipping and its own copy of the result.
 
 A ``StepGraph`` runs its function eagerly for its first ``warmup`` calls (those are real steps: compilation,
 autotuning, lazily built optimizer state and cuBLAS workspaces happen there), captures it on the next call and
-replays it from then on: new inputs are copied into the static ones, and the outputs are always the same tensors,
+replays it from then on: new inputs are copied into the static ones (one ``_foreach_copy_``), and the outputs are always the same tensors,
 overwritten by the next replay (callers that keep them across calls copy them). Compiled code inside runs in the
 default mode; the graph is ours.
 

@@ -264,3 +264,36 @@ def test_captured_step_graph_copies_inputs_then_replays() -> None:
     without.graph = Replays()
     without()
     assert with_inputs.graph.count == 1 and without.graph.count == 1
+
+
+def test_markov_block_is_made_outside_the_lock_and_read_ahead() -> None:
+    """A block in the making does not hold up threads that need other blocks; a read-ahead never waits for a block
+    another thread is making; a block evicted while it was made is still handed to its maker, never half-made."""
+    import threading
+
+    data = data_mod.MarkovData(97, 3, 300, seed=5, block=4)
+    alone = data_mod.MarkovData(97, 3, 300, seed=5, block=1)
+    gate, entered = threading.Event(), threading.Event()
+    make = data.batches
+
+    def slow_batches(indices):
+        if indices[0] == 4:  # block 1 waits until released
+            entered.set()
+            assert gate.wait(10)
+        return make(indices)
+
+    data.batches = slow_batches  # type: ignore[method-assign]
+    got = {}
+    maker = threading.Thread(target=lambda: got.__setitem__(4, data.batch(4)))
+    maker.start()
+    assert entered.wait(10)
+    assert data._block(1, wait=False) is None  # in the making: a read-ahead returns at once
+    data.cached_blocks = 1
+    assert torch.equal(data.batch(1).tokens, alone.batch(1).tokens)  # block 0 is made meanwhile (evicts block 1)
+    gate.set()
+    maker.join(10)
+    assert not maker.is_alive()
+    assert torch.equal(got[4].packed, alone.batch(4).packed)
+    data.cached_blocks = 4
+    assert torch.equal(data.batch(6).packed, alone.batch(6).packed)  # offset 2 of block 1: reads block 2 ahead
+    assert 2 in data._cache and isinstance(data._cache[2], list)
