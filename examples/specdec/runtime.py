@@ -139,7 +139,7 @@ class Reducer:
         self.total: Optional[torch.Tensor] = None
         self.done: Event = None
         self.use_graph = graph and world == 1
-        self.graph: Optional[Any] = None
+        self.graph: Optional[graphs.StepGraph] = None
 
     def _finish(self, total: torch.Tensor) -> None:
         if self.divisor != 1:
@@ -156,29 +156,34 @@ class Reducer:
             total.div_(self.world)
         self.post(total)
 
+    def _parked(self) -> List[Tuple[torch.Tensor, Event]]:
+        """Every thread's (buffer, event), in thread order (all parked once the first barrier has passed)."""
+        return [slot for slot in self.slots if slot is not None]
+
     def _sum_local(self) -> None:
         """Leader, every buffer on its device (events already waited for): total = average, clipped; the leader's
         own buffer = total."""
-        total = self.total
-        bufs = [slot[0] for slot in self.slots]  # type: ignore[index]
-        total.copy_(bufs[0])  # type: ignore[union-attr]
+        total, bufs = self.total, [t for t, _ in self._parked()]
+        assert total is not None
+        total.copy_(bufs[0])
         for t in bufs[1:]:
-            total.add_(t)  # type: ignore[union-attr]
-        self._finish(total)  # type: ignore[arg-type]
-        bufs[0].copy_(total)  # type: ignore[arg-type]
+            total.add_(t)
+        self._finish(total)
+        bufs[0].copy_(total)
 
     def _leader(self, lane: Lane) -> None:
+        parked = self._parked()
         if self.total is None:
-            self.total = torch.empty_like(self.slots[0][0])  # type: ignore[index]
-            local = all(t.device == self.total.device for t, _ in self.slots)  # type: ignore[misc]
+            self.total = torch.empty_like(parked[0][0])
+            local = all(t.device == self.total.device for t, _ in parked)
             if self.use_graph and local and lane.stream is not None:
                 self.graph = graphs.StepGraph(self._sum_local, lane.stream)
         if self.graph is not None:
-            for _, ev in self.slots[1:]:  # type: ignore[misc]
+            for _, ev in parked[1:]:
                 lane.wait(ev)
             self.graph()
             return
-        for j, (t, ev) in enumerate(self.slots):  # type: ignore[misc]
+        for j, (t, ev) in enumerate(parked):
             if j == 0:
                 self.total.copy_(t)
             elif t.device == self.total.device:
@@ -204,7 +209,8 @@ class Reducer:
             self.done = lane.record()
         self.barrier.wait()
         if idx != 0 or self.graph is None:  # the leader's graph copied the result already
-            lane.copy_into(flat, self.total, self.done)  # type: ignore[arg-type]
+            assert self.total is not None
+            lane.copy_into(flat, self.total, self.done)
 
     def abort(self) -> None:
         if self.barrier is not None:
