@@ -181,7 +181,9 @@ class MarkovData:
         key, offset = divmod(index, self.block)
         if self.block > 1 and offset >= self.block // 2:
             self._block(key + 1, wait=False)
-        return self._block(key, wait=True)[offset]  # type: ignore[index]
+        block = self._block(key, wait=True)
+        assert block is not None
+        return block[offset]
 
     def _block(self, key: int, wait: bool) -> Optional[List[Batch]]:
         """Block ``key`` from the cache, made here if nobody has started it; if another thread is making it: wait
@@ -189,31 +191,33 @@ class MarkovData:
         with self._lock:
             entry = self._cache.get(key)
             if entry is None:
-                entry = self._cache[key] = threading.Event()
-                while len(self._cache) > self.cached_blocks:
-                    self._cache.popitem(last=False)
-                mine = True
-            else:
-                mine = False
-        if not mine:
-            if isinstance(entry, threading.Event):
-                if not wait:
-                    return None
-                entry.wait()
-                with self._lock:  # evicted meanwhile (a thread far behind the others): make it again
-                    entry = self._cache.get(key)
-                return entry if isinstance(entry, list) else self._make(key)
+                mine = threading.Event()
+                self._put(key, mine)
+        if entry is None:
+            return self._make(key, mine)
+        if isinstance(entry, list):
             return entry
-        return self._make(key, entry)
+        if not wait:
+            return None
+        entry.wait()
+        with self._lock:  # evicted meanwhile (a thread far behind the others): make it again
+            entry = self._cache.get(key)
+        return entry if isinstance(entry, list) else self._make(key)
 
     def _make(self, key: int, event: Optional[threading.Event] = None) -> List[Batch]:
         made = self.batches(range(key * self.block, (key + 1) * self.block))
         with self._lock:
             if event is None or self._cache.get(key) is event:
-                self._cache[key] = made
+                self._put(key, made)
         if event is not None:
             event.set()
         return made
+
+    def _put(self, key: int, entry: "Union[List[Batch], threading.Event]") -> None:
+        """Under the lock: store an entry, evicting the oldest beyond ``cached_blocks``."""
+        self._cache[key] = entry
+        while len(self._cache) > self.cached_blocks:
+            self._cache.popitem(last=False)
 
     def prompts(self, count: int, length: int, seed: int) -> torch.Tensor:
         """``[count, length]`` single-document prompts (held out: their own seed stream)."""

@@ -297,3 +297,24 @@ def test_markov_block_is_made_outside_the_lock_and_read_ahead() -> None:
     data.cached_blocks = 4
     assert torch.equal(data.batch(6).packed, alone.batch(6).packed)  # offset 2 of block 1: reads block 2 ahead
     assert 2 in data._cache and isinstance(data._cache[2], list)
+
+
+def test_markov_cache_stays_bounded_under_racing_threads() -> None:
+    """However threads race for blocks (a block evicted while being made, then made again by a waiter), the cache
+    never holds more than ``cached_blocks`` blocks. Thread switches are forced often to make the races happen."""
+    import threading
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        for _ in range(50):
+            data = data_mod.MarkovData(97, 3, 300, seed=5, block=4)
+            threads = [threading.Thread(target=data.batch, args=(i,))
+                       for i in (9, 0, 3, 17, 4, 16, 2, 30, 1, 5, 6, 7, 8, 12, 25)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            assert len(data._cache) <= data.cached_blocks
+    finally:
+        sys.setswitchinterval(old)
