@@ -92,8 +92,9 @@ class MarkovData:
         choice = np.minimum((cum[:, None, :] <= u[None, :, None]).sum(-1), branch - 1)  # [V, levels]
         counts = np.stack([(choice == c).sum(1) for c in range(branch)], axis=1)
         self.probs = counts / self.levels
-        self.table = np.take_along_axis(succ, choice, axis=1).astype(np.int64).ravel()  # [V * levels]
-        self.table2 = np.concatenate([self.table, np.arange(vocab_size, dtype=np.int64)])  # + identity (_chain)
+        # The choice table [V * levels] (level j of token v at v * levels + j) followed by the identity [V] (_chain).
+        choices = np.take_along_axis(succ, choice, axis=1).astype(np.int64).ravel()
+        self.table = np.concatenate([choices, np.arange(vocab_size, dtype=np.int64)])
         self.block, self.cached_blocks = max(1, block), 4
         self.pin_memory = pin_memory
         self._lock = threading.Lock()
@@ -113,8 +114,12 @@ class MarkovData:
         rng = np.random.default_rng([self.seed, index])
         n_docs = self.seq_len // self.min_doc + 1
         lengths = rng.integers(self.min_doc, self.max_doc + 1, size=(self.batch_size, n_docs))
-        shape = (self.batch_size, self.seq_len)
-        return lengths, rng.integers(1, self.vocab_size, size=shape), rng.integers(0, self.levels, size=shape)
+        return (lengths, *self._token_draws(rng, self.batch_size, self.seq_len))
+
+    def _token_draws(self, rng: np.random.Generator, rows: int, seq_len: int) -> tuple:
+        """The chain's draws ``[rows, seq_len]``, in this order: uniform tokens, quantised successor choices."""
+        shape = (rows, seq_len)
+        return rng.integers(1, self.vocab_size, size=shape), rng.integers(0, self.levels, size=shape)
 
     def _layout(self, lengths: np.ndarray, seq_len: int) -> tuple:
         """Rows of packed documents with the given lengths ``[R, N]`` (cumulative sum must reach ``seq_len``):
@@ -136,7 +141,7 @@ class MarkovData:
         chain (``level`` picks the successor). One small numpy step per position for all rows at once (rows are
         independent, so how many are stepped together changes nothing).
 
-        Every position is one gather, ``token = table2[prev * mult + add]``: ``table2`` is the choice table followed
+        Every position is one gather, ``token = table[prev * mult + add]``: ``table`` is the choice table followed
         by the identity, and a position that does not follow the chain gets ``mult = 0`` and ``add`` pointing at
         its fixed token in the identity part. Three in-place ufunc calls per position, no temporaries."""
         vocab, levels = self.vocab_size, self.levels
@@ -144,7 +149,7 @@ class MarkovData:
         fixed = np.where(pos == 0, BOS, uniform)
         mult = np.ascontiguousarray(np.where(free, levels, 0).T)
         add = np.ascontiguousarray(np.where(free, level, vocab * levels + fixed).T)
-        take, multiply = self.table2.take, np.multiply
+        take, multiply = self.table.take, np.multiply
         out = np.empty(mult.shape, dtype=np.int64)
         idx = np.empty(mult.shape[1], dtype=np.int64)
         prev = np.zeros_like(idx)
@@ -222,10 +227,8 @@ class MarkovData:
     def prompts(self, count: int, length: int, seed: int) -> torch.Tensor:
         """``[count, length]`` single-document prompts (held out: their own seed stream)."""
         rng = np.random.default_rng([self.seed, seed, 999])
-        lengths = np.full((count, 1), length)
-        uniform = rng.integers(1, self.vocab_size, size=(count, length))
-        level = rng.integers(0, self.levels, size=(count, length))
-        _, pos = self._layout(lengths, length)
+        uniform, level = self._token_draws(rng, count, length)
+        _, pos = self._layout(np.full((count, 1), length), length)
         return torch.from_numpy(np.ascontiguousarray(self._chain(pos, uniform, level)))
 
 

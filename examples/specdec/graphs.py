@@ -15,9 +15,9 @@ every thread. Here each piece is one graph:
 
 A ``StepGraph`` runs its function eagerly for its first ``warmup`` calls (those are real steps: compilation,
 autotuning, lazily built optimizer state and cuBLAS workspaces happen there), captures it on the next call and
-replays it from then on: new inputs are copied into the static ones (one ``_foreach_copy_``), and the outputs are always the same tensors,
-overwritten by the next replay (callers that keep them across calls copy them). Compiled code inside runs in the
-default mode; the graph is ours.
+replays it from then on: new inputs are copied into the static ones (one ``_foreach_copy_``), and the outputs are
+always the same tensors, overwritten by the next replay (callers that keep them across calls copy them). Compiled
+code inside runs in the default mode; the graph is ours.
 
 Captures happen one at a time in the process (``CAPTURE_LOCK``), on the thread's own stream, with
 ``capture_error_mode="thread_local"``: other threads keep issuing work (and allocating) on their streams while one

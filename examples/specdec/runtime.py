@@ -171,13 +171,18 @@ class Reducer:
         self._finish(total)
         bufs[0].copy_(total)
 
+    def _make_graph(self, fn: Callable[[], None], lane: Lane) -> None:
+        """With graphs on: ``fn`` (which reads only persistent buffers) becomes this reducer's StepGraph on the
+        lane's stream (captured after its eager warm-up calls)."""
+        if self.use_graph and lane.stream is not None:
+            self.graph = graphs.StepGraph(fn, lane.stream)
+
     def _leader(self, lane: Lane) -> None:
         parked = self._parked()
         if self.total is None:
             self.total = torch.empty_like(parked[0][0])
-            local = all(t.device == self.total.device for t, _ in parked)
-            if self.use_graph and local and lane.stream is not None:
-                self.graph = graphs.StepGraph(self._sum_local, lane.stream)
+            if all(t.device == self.total.device for t, _ in parked):
+                self._make_graph(self._sum_local, lane)
         if self.graph is not None:
             for _, ev in parked[1:]:
                 lane.wait(ev)
@@ -195,8 +200,8 @@ class Reducer:
 
     def __call__(self, idx: int, flat: torch.Tensor, lane: Lane) -> None:
         if self.barrier is None:
-            if self.graph is None and self.use_graph and lane.stream is not None:
-                self.graph = graphs.StepGraph(functools.partial(self._finish, flat), lane.stream)  # one buffer
+            if self.graph is None and self.use_graph:  # one buffer, the same at every call
+                self._make_graph(functools.partial(self._finish, flat), lane)
             if self.graph is not None:
                 self.graph()
             else:
