@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -38,13 +38,19 @@ class RMSNorm(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    def __init__(self, dim: int, hidden: int) -> None:
+    """``fused=True``: gate and up in one matmul against their concatenated weights (see ``Attention``)."""
+
+    def __init__(self, dim: int, hidden: int, fused: bool = False) -> None:
         super().__init__()
+        self.fused = fused
         self.gate = nn.Linear(dim, hidden, bias=False)
         self.up = nn.Linear(dim, hidden, bias=False)
         self.down = nn.Linear(hidden, dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            gate, up = F.linear(x, torch.cat([self.gate.weight, self.up.weight])).chunk(2, dim=-1)
+            return self.down(F.silu(gate) * up)
         return self.down(F.silu(self.gate(x)) * self.up(x))
 
 
@@ -97,9 +103,16 @@ class TargetConfig:
 
 
 class Attention(nn.Module):
+    """``fused=True`` computes q, k and v with one matmul against the concatenation of their weights (the
+    parameters stay separate, so checkpoints do not change). The drafter uses it: its matmuls are small (one
+    batch, one layer), and one [N, in] x [in, q+2kv] product, with one input-gradient and one weight-gradient
+    product in backward, keeps the GPU busier than three of each plus the sum of three input gradients. The
+    frozen target keeps three (concatenating its weights would copy them on every forward)."""
+
     def __init__(self, in_dim: int, dim: int, heads: int, kv_heads: Optional[int] = None,
-                 rope_theta: float = 10000.0) -> None:
+                 rope_theta: float = 10000.0, fused: bool = False) -> None:
         super().__init__()
+        self.fused = fused
         self.heads, self.head_dim = heads, dim // heads
         self.kv_heads = kv_heads or heads
         self.rope_theta = rope_theta
@@ -111,7 +124,13 @@ class Attention(nn.Module):
     def project(self, x: torch.Tensor, pos: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         b, s, _ = x.shape
         split = lambda t, h: t.view(b, s, h, self.head_dim).transpose(1, 2)  # noqa: E731
-        q, k, v = split(self.q(x), self.heads), split(self.k(x), self.kv_heads), split(self.v(x), self.kv_heads)
+        if self.fused:
+            kv_dim = self.kv_heads * self.head_dim
+            qkv = F.linear(x, torch.cat([self.q.weight, self.k.weight, self.v.weight]))
+            q, k, v = qkv.split([self.heads * self.head_dim, kv_dim, kv_dim], dim=-1)
+        else:
+            q, k, v = self.q(x), self.k(x), self.v(x)
+        q, k, v = split(q, self.heads), split(k, self.kv_heads), split(v, self.kv_heads)
         return rope(q, pos, self.rope_theta), rope(k, pos, self.rope_theta), v
 
     def merge(self, out: torch.Tensor) -> torch.Tensor:
@@ -307,9 +326,9 @@ class Drafter(nn.Module):
         self.fuse = nn.Linear(3 * cfg.dim, cfg.dim, bias=False)
         self.emb_norm = RMSNorm(cfg.dim)
         self.hid_norm = RMSNorm(cfg.dim)
-        self.attn = Attention(2 * cfg.dim, cfg.dim, cfg.heads, cfg.kv_heads, cfg.rope_theta)
+        self.attn = Attention(2 * cfg.dim, cfg.dim, cfg.heads, cfg.kv_heads, cfg.rope_theta, fused=True)
         self.mlp_norm = RMSNorm(cfg.dim)
-        self.mlp = SwiGLU(cfg.dim, cfg.ffn)
+        self.mlp = SwiGLU(cfg.dim, cfg.ffn, fused=True)
         self.final_norm = RMSNorm(cfg.dim)
 
     def step(self, hidden: torch.Tensor, tokens: torch.Tensor, pos: torch.Tensor, mask: Mask,
@@ -339,6 +358,38 @@ def ttt_valid(doc: torch.Tensor, i: int) -> torch.Tensor:
     return nxt == doc
 
 
+class SoftCrossEntropy(torch.autograd.Function):
+    """Row-wise cross-entropy of ``softmax(z)`` against the distribution ``softmax(v)``, in float32:
+    ``logsumexp(z) - sum(softmax(v) * z)``, which is ``-(softmax(v) * log_softmax(z)).sum(-1)``.
+
+    Why a Function of its own: written with ``log_softmax`` the loss keeps the ``[N, V]`` float32 log-probabilities
+    for backward and its backward is a row reduction (``log_softmax``'s backward sums the incoming gradient over
+    the row). Since ``softmax(v)`` sums to one, the gradient is simply ``(softmax(z) - softmax(v)) * grad``: here
+    forward keeps only the two row log-sum-exps, and backward is one pointwise pass over ``z`` and ``v``. On an
+    H200 the log_softmax form was the drafter's largest fused kernel (8-10 % of a step's GPU time,
+    docs/trainer.md). ``v`` gets no gradient (the target's logits are data)."""
+
+    @staticmethod
+    def forward(ctx: Any, z: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        z32, v32 = z.float(), v.float()
+        lse_z, lse_v = torch.logsumexp(z32, dim=-1), torch.logsumexp(v32, dim=-1)
+        ctx.save_for_backward(z, v, lse_z, lse_v)
+        return lse_z - (torch.exp(v32 - lse_v.unsqueeze(-1)) * z32).sum(-1)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[Optional[torch.Tensor], None]:
+        z, v, lse_z, lse_v = ctx.saved_tensors
+        q = torch.exp(z.float() - lse_z.unsqueeze(-1))
+        p = torch.exp(v.float() - lse_v.unsqueeze(-1))
+        return (grad.unsqueeze(-1) * (q - p)).to(z.dtype), None
+
+
+def soft_cross_entropy(logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of ``logits`` against the target's full distribution ``softmax(target_logits)`` per row
+    (float32, shape ``logits.shape[:-1]``); gradients flow to ``logits`` only."""
+    return SoftCrossEntropy.apply(logits, target_logits.detach())
+
+
 def ttt_loss(drafter: Drafter, fused: torch.Tensor, tokens: torch.Tensor, pos: torch.Tensor, doc: torch.Tensor,
              tgt_vals: torch.Tensor, tgt_idx: torch.Tensor, masks: Sequence[Mask], step_decay: float = 0.8
              ) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -361,13 +412,13 @@ def ttt_loss(drafter: Drafter, fused: torch.Tensor, tokens: torch.Tensor, pos: t
         vals, idx = shift_left(tgt_vals, 1 + i), shift_left(tgt_idx, 1 + i)
         valid = ttt_valid(doc, i).float()
         count = valid.sum().clamp_min(1.0)
-        logq = torch.log_softmax(logits.float(), dim=-1)
         if full:
             greedy = idx
+            ce = soft_cross_entropy(logits, vals)
         else:
-            logq = logq.gather(-1, idx)
             greedy = idx[..., 0]
-        ce = -(torch.softmax(vals.float(), dim=-1) * logq).sum(-1)
+            logq = torch.log_softmax(logits.float(), dim=-1).gather(-1, idx)
+            ce = -(torch.softmax(vals.float(), dim=-1) * logq).sum(-1)
         w = step_decay ** i
         total = total + w * (ce * valid).sum() / count
         weights += w

@@ -102,6 +102,55 @@ def test_flop_formulas_match_flop_counter() -> None:
     assert fc.get_total_flops() == expected
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_soft_cross_entropy_equals_the_log_softmax_form(dtype: torch.dtype) -> None:
+    """The drafter's loss kernel (lse(z) - sum softmax(v) z, pointwise backward) gives the value and the gradient
+    of -(softmax(v) * log_softmax(z)).sum(-1), eager and compiled; the target's logits get no gradient."""
+    torch.manual_seed(0)
+    z = (torch.randn(3, 5, 37) * 4).to(dtype).requires_grad_()
+    v = (torch.randn(3, 5, 37) * 3).to(dtype).requires_grad_()
+    w = torch.randn(3, 5)
+    ref = -(torch.softmax(v.detach().float(), -1) * torch.log_softmax(z.float(), -1)).sum(-1)
+    (ref_grad,) = torch.autograd.grad((ref * w).sum(), z)
+    for fn in (models.soft_cross_entropy, torch.compile(models.soft_cross_entropy, backend="aot_eager")):
+        out = fn(z, v)
+        assert out.dtype == torch.float32 and out.shape == (3, 5)
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+        (out * w).sum().backward()
+        assert v.grad is None and z.grad is not None and z.grad.dtype == dtype
+        torch.testing.assert_close(z.grad.float(), ref_grad.float(), atol=1e-5, rtol=1e-5)
+        z.grad = None
+
+
+def test_drafter_fused_projections_equal_separate_ones() -> None:
+    """The drafter's q/k/v and gate/up matmuls against concatenated weights: same loss and gradients as the
+    separate Linear layers (the parameters, and so checkpoints, are the same)."""
+    torch.manual_seed(0)
+    b, s, vocab, dim, heads, kv, ffn, k = 2, 32, 64, 64, 4, 2, 96, 3
+    target = models.TargetLM(models.TargetConfig(vocab_size=vocab, dim=dim, layers=2, heads=heads, kv_heads=kv,
+                                                 ffn=ffn, prior_strength=0))
+    drafter = models.Drafter(models.DrafterConfig(vocab, dim, heads, ffn, k, kv), target.input_embedding(),
+                             target.output_embedding()).double()
+    assert drafter.attn.fused and drafter.mlp.fused
+    tok = torch.randint(0, vocab, (b, s))
+    pos = torch.arange(s).expand(b, s)
+    doc = torch.zeros(b, s, dtype=torch.long)
+    args = (torch.randn(b, s, 3 * dim, dtype=torch.float64), tok, pos, doc,
+            torch.randn(b, s, vocab, dtype=torch.float64), tok, masks.ttt_masks(doc, k))
+    results = []
+    for fused in (True, False):
+        drafter.attn.fused = drafter.mlp.fused = fused
+        drafter.zero_grad(set_to_none=True)
+        loss, _ = models.ttt_loss(drafter, *args)
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in drafter.named_parameters()}))
+    (loss_f, grads_f), (loss_s, grads_s) = results
+    torch.testing.assert_close(loss_f, loss_s)
+    assert grads_f.keys() == grads_s.keys() and "attn.q.weight" in grads_f and "mlp.gate.weight" in grads_f
+    for name in grads_f:
+        torch.testing.assert_close(grads_f[name], grads_s[name], msg=name)
+
+
 def test_llama_8b_shape_numbers() -> None:
     """Sanity of the cuda-8b accounting: ~15 GFLOP per token forward for a Llama-3.1-8B-shaped target (2 x its
     7.5B non-embedding weights plus the LM head), and a peak for the H200."""
