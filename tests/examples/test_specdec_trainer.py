@@ -204,3 +204,29 @@ def test_target_compiled_per_layer(tmp_path: Path) -> None:
     a, b = train_records(tmp_path / "layer" / "metrics.jsonl"), train_records(tmp_path / "model" / "metrics.jsonl")
     for step in a:
         assert a[step] == pytest.approx(b[step], abs=1e-5), (step, a[step], b[step])
+
+
+def test_trace_kernels_groups_gpu_time_by_kind(tmp_path: Path) -> None:
+    """bench/trace_kernels.py: GPU time per step by kind and by name from a profiler trace; CPU-only events are
+    ignored, and a trace without GPU kernels says so and exits 1."""
+    trace = tmp_path / "trace.json"
+    events = [
+        {"ph": "X", "cat": "kernel", "name": "nvjet_sm90_tst_128x64_64x8_1x2_h_bz_TNT", "dur": 300.0},
+        {"ph": "X", "cat": "kernel", "name": "triton_tem_fused_flex_attention_backward_6", "dur": 200.0},
+        {"ph": "X", "cat": "kernel", "name": "triton_tem_fused_flex_attention_2", "dur": 100.0},
+        {"ph": "X", "cat": "kernel", "name": "triton_poi_fused_add_arange_cat_cos_mul_sin_3", "dur": 100.0},
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD (Pinned -> Device)", "dur": 100.0},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "dur": 5000.0},
+    ]
+    trace.write_text(json.dumps({"traceEvents": events}))
+    tool = [sys.executable, str(ROOT / "bench" / "trace_kernels.py")]
+    out = subprocess.run(tool + [str(trace), "--steps", "2"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "0.400 ms of GPU time per step" in out.stdout  # 800 µs of GPU events over 2 steps, the CPU op left out
+    assert "| matmul | 0.150 | 37.5 % |" in out.stdout
+    assert "| flex attention backward | 0.100 | 25.0 % |" in out.stdout
+    assert "| flex attention forward | 0.050 | 12.5 % |" in out.stdout
+    assert "| rope | 0.050 | 12.5 % |" in out.stdout and "| other | 0.050 | 12.5 % |" in out.stdout
+    trace.write_text(json.dumps({"traceEvents": events[-1:]}))
+    out = subprocess.run(tool + [str(trace)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and "no GPU kernels" in out.stdout
