@@ -106,8 +106,9 @@ class Attention(nn.Module):
     """``fused=True`` computes q, k and v with one matmul against the concatenation of their weights (the
     parameters stay separate, so checkpoints do not change). The drafter uses it: its matmuls are small (one
     batch, one layer), and one [N, in] x [in, q+2kv] product, with one input-gradient and one weight-gradient
-    product in backward, keeps the GPU busier than three of each plus the sum of three input gradients. The
-    frozen target keeps three (concatenating its weights would copy them on every forward)."""
+    product in backward, is fewer and larger kernels than three of each plus the sum of three input gradients
+    (measured together with ``SoftCrossEntropy``: docs/trainer.md, row 14). The frozen target keeps three
+    (concatenating its weights would copy them on every forward)."""
 
     def __init__(self, in_dim: int, dim: int, heads: int, kv_heads: Optional[int] = None,
                  rope_theta: float = 10000.0, fused: bool = False) -> None:
@@ -366,8 +367,8 @@ class SoftCrossEntropy(torch.autograd.Function):
     for backward and its backward is a row reduction (``log_softmax``'s backward sums the incoming gradient over
     the row). Since ``softmax(v)`` sums to one, the gradient is simply ``(softmax(z) - softmax(v)) * grad``: here
     forward keeps only the two row log-sum-exps, and backward is one pointwise pass over ``z`` and ``v``. On an
-    H200 the log_softmax form was the drafter's largest fused kernel (8-10 % of a step's GPU time,
-    docs/trainer.md). ``v`` gets no gradient (the target's logits are data)."""
+    H200 the log_softmax form was the drafter's largest fused kernel (8-10 % of a batch's GPU time,
+    docs/results/trainer-h200-drafter-kernels.md). ``v`` gets no gradient (the target's logits are data)."""
 
     @staticmethod
     def forward(ctx: Any, z: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
