@@ -7,8 +7,8 @@ the BlockMask builder and the optimizer's Python: milliseconds of interpreter ti
 every thread. Here each piece is one graph:
 
 * target: BlockMask + forward, under ``no_grad``;
-* drafter: the k TTT BlockMasks, forward, ``backward`` (gradients accumulate into the replica's flat buffer) and the
-  step's statistics;
+* drafter: its BlockMask, the forward of the k TTT steps, ``backward`` (gradients accumulate into the replica's
+  flat buffer) and the step's statistics;
 * update: the optimizer step (fused AdamW with ``capturable=True`` and a tensor learning rate);
 * gradient average (``runtime.Reducer``, one process): the leader's sum of every replica's buffer, the division,
   the clipping and its own copy of the result.

@@ -10,18 +10,22 @@ two ways:
 Because both paths evaluate the very same ``mask_mod``, the CPU fallback trains exactly the attention pattern that
 the CUDA path trains.
 
-Drafter key layout at training-time-test (TTT) step ``i``: the keys/values of steps ``0..i`` are concatenated along
-the sequence axis, so ``kv_idx = step * S + position``.
+The drafter's attention pattern at training-time-test (TTT) step ``i`` (``ttt_mod``, the reference definition),
+over the keys/values of steps ``0..i`` laid out along one axis, ``kv_idx = step * S + position``:
 
 * step-0 keys were computed from the *target's* fused hidden states: ordinary document-causal attention
   (``kv_pos <= q`` and same document);
 * keys of steps ``1..i`` were computed from the drafter's *own* earlier outputs at the same position: only the
   diagonal (``kv_pos == q``) is visible. At inference those are the drafter's earlier speculated tokens for the
   position being extended, and no other position has such keys.
+
+The drafter does not build that mask: it attends the step-0 keys under the document-causal mask (the target's)
+and adds the diagonal terms outside the attention kernel (``models.Drafter.step``); tests check that both give
+the same attention.
 """
 from __future__ import annotations
 
-from typing import Callable, List, Sequence, Tuple, Union
+from typing import Callable, Sequence, Tuple, Union
 
 import torch
 
@@ -120,12 +124,6 @@ def _target_tensors(doc: torch.Tensor) -> Tuple[torch.Tensor, ...]:
     return block_tensors(dense_mask(document_causal_mod(doc), batch, seq, seq, doc.device))
 
 
-def _ttt_tensors(doc: torch.Tensor, steps: int) -> List[Tuple[torch.Tensor, ...]]:
-    batch, seq = doc.shape
-    dense = dense_mask(ttt_mod(doc, seq), batch, seq, seq * steps, doc.device)
-    return [block_tensors(dense[..., :seq * (i + 1)]) for i in range(steps)]
-
-
 class _Compiled:
     """``--mask-builder compiled``: the dense evaluation and the block tensors of ``block_mask_from_dense`` as one
     compiled function per mask kind (a few fused kernels and one Python call instead of ~25 eager ops per mask:
@@ -161,29 +159,11 @@ def build_mask(mask_mod: MaskMod, batch: int, q_len: int, kv_len: int, device: t
 
 
 def target_mask(doc: torch.Tensor, dense: bool = False) -> Mask:
-    """Document-causal mask for the target over a packed ``[B, S]`` batch (``dense``: always a bool tensor, for
-    targets that cannot take a BlockMask, e.g. Hugging Face models)."""
+    """Document-causal mask over a packed ``[B, S]`` batch: the target's, and the drafter's at every TTT step
+    (``dense``: always a bool tensor, for targets that cannot take a BlockMask, e.g. Hugging Face models)."""
     batch, seq = doc.shape
     if dense:
         return dense_mask(document_causal_mod(doc), batch, seq, seq, doc.device)
     if use_flex(doc.device) and BUILDER == "compiled":
         return _block_mask(_COMPILED("target", _target_tensors, doc), seq, seq, document_causal_mod(doc))
     return build_mask(document_causal_mod(doc), batch, seq, seq, doc.device)
-
-
-def ttt_masks(doc: torch.Tensor, steps: int) -> List[Mask]:
-    """One mask per TTT step ``i`` (query length S, key length ``S * (i + 1)``).
-
-    ``ttt_mod`` does not depend on ``i``: step i's mask is the first ``S * (i + 1)`` key columns of the last
-    step's, so the dense mask is evaluated once and sliced."""
-    batch, seq = doc.shape
-    mod = ttt_mod(doc, seq)
-    if use_flex(doc.device) and BUILDER == "create_block_mask":
-        return [build_mask(mod, batch, seq, seq * (i + 1), doc.device) for i in range(steps)]
-    if use_flex(doc.device) and BUILDER == "compiled":
-        return [_block_mask(t, seq, seq * (i + 1), mod) for i, t in enumerate(_COMPILED("ttt", _ttt_tensors, doc, steps))]
-    dense = dense_mask(mod, batch, seq, seq * steps, doc.device)
-    slices = [dense[..., :seq * (i + 1)] for i in range(steps)]
-    if use_flex(doc.device):
-        return [block_mask_from_dense(m, mod) for m in slices]
-    return slices

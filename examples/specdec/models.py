@@ -64,19 +64,59 @@ def rope(x: torch.Tensor, pos: torch.Tensor, theta: float = 10000.0) -> torch.Te
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask) -> torch.Tensor:
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, return_lse: bool = False):
     """``[B, H, Q, D] x [B, Hkv, KV, D] -> [B, H, Q, D]`` under ``mask`` (BlockMask -> flex, tensor -> SDPA).
-    ``Hkv < H``: grouped-query attention (each key/value head serves ``H / Hkv`` query heads)."""
+    ``Hkv < H``: grouped-query attention (each key/value head serves ``H / Hkv`` query heads).
+
+    ``return_lse``: also the log-sum-exp of each query's scaled scores over the keys it attends, ``[B, H, Q]``
+    float32, differentiable (flex returns it; the dense path computes the scores explicitly, since SDPA does not
+    return it). Every query must attend at least one key."""
     gqa = k.shape[1] != q.shape[1]
     if isinstance(mask, torch.Tensor):
+        if return_lse:
+            return _dense_attention_lse(q, k, v, mask)
         if gqa:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     from torch.nn.attention.flex_attention import flex_attention
 
     if gqa:
-        return flex_attention(q, k, v, block_mask=mask, enable_gqa=True)
-    return flex_attention(q, k, v, block_mask=mask)
+        return flex_attention(q, k, v, block_mask=mask, enable_gqa=True, return_lse=return_lse)
+    return flex_attention(q, k, v, block_mask=mask, return_lse=return_lse)
+
+
+def _dense_attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
+                         ) -> Tuple[torch.Tensor, torch.Tensor]:
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    acc = torch.promote_types(q.dtype, torch.float32)
+    scores = (q @ k.transpose(-2, -1)).to(acc) * q.shape[-1] ** -0.5
+    scores = scores.masked_fill(~mask, float("-inf"))
+    lse = scores.logsumexp(dim=-1)
+    return torch.exp(scores - lse.unsqueeze(-1)).to(v.dtype) @ v, lse
+
+
+def merge_diagonal(q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                   diagonal: Sequence[Tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """Attention of ``q`` over a key set and, in addition, over one more key per query at each entry of
+    ``diagonal`` (``(k_j, v_j)`` ``[B, Hkv, Q, D]``: query t also attends ``k_j[t]``), from the first set's
+    output ``out`` and log-sum-exp ``lse``. Softmax over a union of key sets is the sets' outputs weighted by
+    ``softmax`` of their log-sum-exps; a single key's log-sum-exp is its score. Computed in float32 (or wider)."""
+    if not diagonal:
+        return out
+    b, h, s, d = q.shape
+    hkv = diagonal[0][0].shape[1]
+    g = h // hkv
+    acc = torch.promote_types(out.dtype, torch.float32)
+    qg = q.to(acc).view(b, hkv, g, s, d)
+    scores = [lse.to(acc).view(b, hkv, g, s)]
+    scores += [(qg * kj.to(acc).unsqueeze(2)).sum(-1) * d ** -0.5 for kj, _ in diagonal]
+    w = torch.softmax(torch.stack(scores), dim=0).unsqueeze(-1)  # [1 + n, B, Hkv, G, Q, 1]
+    merged = w[0] * out.to(acc).view(b, hkv, g, s, d)
+    for j, (_, vj) in enumerate(diagonal, start=1):
+        merged = merged + w[j] * vj.to(acc).unsqueeze(2)
+    return merged.view(b, h, s, d).to(out.dtype)
 
 
 def hidden_layer_ids(num_layers: int) -> Tuple[int, int, int]:
@@ -335,13 +375,24 @@ class Drafter(nn.Module):
     def step(self, hidden: torch.Tensor, tokens: torch.Tensor, pos: torch.Tensor, mask: Mask,
              cache: List[Tuple[torch.Tensor, torch.Tensor]]) -> Tuple[torch.Tensor, torch.Tensor]:
         """hidden ``[B, S, H]`` (fused target features at step 0, own outputs later), tokens ``[B, S]`` (the token
-        after each position at this step) -> (new hidden, logits)."""
+        after each position at this step) -> (new hidden, logits).
+
+        ``mask`` is the document-causal mask over the ``S`` keys of step 0, the same at every step. Step ``i > 0``
+        also attends, at its own position only, the keys of steps ``1..i`` (masks.ttt_mod): ``i`` keys per
+        query. Concatenated to the step-0 keys they would cost a whole key block per query block each in the
+        attention kernel (forward and backward), so step ``i`` attends the step-0 keys alone and merges the
+        diagonal terms through the log-sum-exp (``merge_diagonal``): the same attention, with a key length of
+        ``S`` at every step. ``cache`` collects each step's keys and values."""
         x = torch.cat([self.emb_norm(F.embedding(tokens, self.embed)), self.hid_norm(hidden)], dim=-1)
         q, k, v = self.attn.project(x, pos)
         cache.append((k, v))
-        keys = torch.cat([c[0] for c in cache], dim=2)
-        values = torch.cat([c[1] for c in cache], dim=2)
-        h = hidden + self.attn.merge(attention(q, keys, values, mask))
+        if len(cache) == 1:
+            out = attention(q, k, v, mask)
+        else:
+            k0, v0 = cache[0]
+            out0, lse0 = attention(q, k0, v0, mask, return_lse=True)
+            out = merge_diagonal(q, out0, lse0, cache[1:])
+        h = hidden + self.attn.merge(out)
         h = h + self.mlp(self.mlp_norm(h))
         logits = F.linear(self.final_norm(h), self.lm_head)
         return h, logits
@@ -392,9 +443,10 @@ def soft_cross_entropy(logits: torch.Tensor, target_logits: torch.Tensor) -> tor
 
 
 def ttt_loss(drafter: Drafter, fused: torch.Tensor, tokens: torch.Tensor, pos: torch.Tensor, doc: torch.Tensor,
-             tgt_vals: torch.Tensor, tgt_idx: torch.Tensor, masks: Sequence[Mask], step_decay: float = 0.8
+             tgt_vals: torch.Tensor, tgt_idx: torch.Tensor, mask: Mask, steps: int, step_decay: float = 0.8
              ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Training-time-test loss, unrolled over ``len(masks)`` steps (teacher-forced tokens, own hidden states).
+    """Training-time-test loss, unrolled over ``steps`` steps (teacher-forced tokens, own hidden states);
+    ``mask``: the batch's document-causal mask (``Drafter.step``).
 
     Step i at position t reads token ``x[t+1+i]`` and predicts the target's next-token distribution at position
     ``t+1+i``: soft cross-entropy against the target's top-k (renormalised) or, when the target sent its full
@@ -408,7 +460,7 @@ def ttt_loss(drafter: Drafter, fused: torch.Tensor, tokens: torch.Tensor, pos: t
     total = hidden.new_zeros((), dtype=torch.float32)
     weights = 0.0
     accs = []
-    for i, mask in enumerate(masks):
+    for i in range(steps):
         hidden, logits = drafter.step(hidden, shift_left(tokens, 1 + i), pos + i, mask, cache)
         vals, idx = shift_left(tgt_vals, 1 + i), shift_left(tgt_idx, 1 + i)
         valid = ttt_valid(doc, i).float()
@@ -430,14 +482,14 @@ def ttt_loss(drafter: Drafter, fused: torch.Tensor, tokens: torch.Tensor, pos: t
 
 @torch.no_grad()
 def draft_greedy(drafter: Drafter, fused: torch.Tensor, tokens: torch.Tensor, pos: torch.Tensor,
-                 masks: Sequence[Mask]) -> torch.Tensor:
+                 mask: Mask, steps: int) -> torch.Tensor:
     """Autoregressive drafting at every position at once: step 0 reads the real next token, step i>0 reads the
     drafter's own step-(i-1) proposal. Returns proposals ``[k, B, S]``; proposal i at t is for position t+2+i."""
     hidden = drafter.fuse(fused)
     cache: List[Tuple[torch.Tensor, torch.Tensor]] = []
     tok = shift_left(tokens, 1)
     out = []
-    for i, mask in enumerate(masks):
+    for i in range(steps):
         hidden, logits = drafter.step(hidden, tok, pos + i, mask, cache)
         tok = logits.argmax(-1)
         out.append(tok)

@@ -137,7 +137,8 @@ class EvalSet:
     tokens: torch.Tensor
     pos: torch.Tensor
     fused: torch.Tensor
-    masks: List[torch.Tensor]
+    mask: torch.Tensor
+    steps: int
     first: int
     last: int
 
@@ -172,12 +173,11 @@ class EvalSet:
         fused, _, _ = models.target_features(target, toks, pos, mask, 1)
         if args.autocast == "off":
             fused = fused.float()
-        ttt = [masks.dense_mask(masks.ttt_mod(doc, s), b, s, s * (i + 1), device) for i in range(k)]
-        return cls(toks, pos, fused, ttt, first=args.eval_prompt_len - 1, last=s - k - 2)
+        return cls(toks, pos, fused, mask, k, first=args.eval_prompt_len - 1, last=s - k - 2)
 
     def evaluate(self, drafter: models.Drafter, args: argparse.Namespace) -> Dict[str, object]:
         with autocast(args, self.tokens.device):
-            proposals = models.draft_greedy(drafter, self.fused, self.tokens, self.pos, self.masks)
+            proposals = models.draft_greedy(drafter, self.fused, self.tokens, self.pos, self.mask, self.steps)
         return metrics.acceptance(proposals, self.tokens, self.first, self.last)
 
 
@@ -250,7 +250,7 @@ class Replica:
                 group["lr"] = self.lr
 
     def _fwd_bwd_fn(self, args: argparse.Namespace, loss_fn: Callable) -> Callable[..., None]:
-        """TTT masks, loss, backward (into the flat buffer) and the batch's statistics, from the batch's tensors."""
+        """The mask, loss, backward (into the flat buffer) and the batch's statistics, from the batch's tensors."""
         k, n_grad = self.k, self.n_grad
         mark_step = args.drafter_compile_mode == "reduce-overhead" and not args.no_compile
 
@@ -258,11 +258,11 @@ class Replica:
             tokens, doc, pos = packed.unbind(0)
             if args.autocast == "off" and fused.dtype != torch.float32:
                 fused = fused.float()
-            step_masks = masks.ttt_masks(doc, k)
+            mask = masks.target_mask(doc)  # document-causal: every TTT step's mask (models.Drafter.step)
             if mark_step:
                 torch.compiler.cudagraph_mark_step_begin()  # the stats output is consumed before the next replay
             with autocast(args, self.lane.device):
-                loss, stats = loss_fn(self.model, fused, tokens, pos, doc, vals, idx, step_masks)
+                loss, stats = loss_fn(self.model, fused, tokens, pos, doc, vals, idx, mask, k)
             loss.backward()
             self.flat[n_grad:n_grad + 1 + k].add_(stats)
 

@@ -37,19 +37,90 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_compiled_mask_builder_equals_eager(device: str) -> None:
-    """--mask-builder compiled: the compiled dense evaluation gives the eager builder's tensors, for the target
-    mask and every TTT step (on CUDA this also covers inductor's GPU lowering of the stable descending argsort)."""
+    """--mask-builder compiled: the compiled dense evaluation gives the eager builder's tensors (on CUDA this also
+    covers inductor's GPU lowering of the stable descending argsort)."""
     doc = data_mod.MarkovData(64, 2, 256, min_doc=8, max_doc=90).batch(3).doc.to(device)
-    steps = 3
-    compiled = masks._Compiled()
-    got = [compiled("target", masks._target_tensors, doc)] + list(compiled("ttt", masks._ttt_tensors, doc, steps))
-    dense = masks.dense_mask(masks.ttt_mod(doc, 256), 2, 256, 256 * steps, doc.device)
-    want = [masks.block_tensors(masks.dense_mask(masks.document_causal_mod(doc), 2, 256, 256, doc.device))]
-    want += [masks.block_tensors(dense[..., :256 * (i + 1)]) for i in range(steps)]
-    assert len(got) == len(want)
-    for g, w in zip(got, want):
-        for a, b in zip(g, w):
-            assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    got = masks._Compiled()("target", masks._target_tensors, doc)
+    want = masks.block_tensors(masks.dense_mask(masks.document_causal_mod(doc), 2, 256, 256, doc.device))
+    assert len(got) == len(want) == 8
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+
+
+def _ttt_attention_inputs(batch: int, seq: int, heads: int, kv_heads: int, steps: int, device: str,
+                          dtype: torch.dtype):
+    """Queries of TTT step ``steps - 1``, keys/values of steps 0..steps-1, and a packed batch's documents."""
+    g = torch.Generator().manual_seed(0)
+    doc = data_mod.MarkovData(64, batch, seq, min_doc=8, max_doc=90).batch(1).doc.to(device)
+    make = lambda h: torch.randn(batch, h, seq, 16, generator=g, dtype=torch.float64).to(device, dtype)  # noqa: E731
+    q = make(heads).requires_grad_()
+    kv = [(make(kv_heads).requires_grad_(), make(kv_heads).requires_grad_()) for _ in range(steps)]
+    return doc, q, kv
+
+
+def _concatenated_reference(doc, q, kv):
+    """TTT attention as the pattern is defined: every step's keys along one axis under ``masks.ttt_mod``."""
+    b, _, s, _ = q.shape
+    keys, values = torch.cat([k for k, _ in kv], dim=2), torch.cat([v for _, v in kv], dim=2)
+    dense = masks.dense_mask(masks.ttt_mod(doc, s), b, s, s * len(kv), q.device)
+    gqa = keys.shape[1] != q.shape[1]
+    return torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=dense, enable_gqa=gqa)
+
+
+@pytest.mark.parametrize("heads, kv_heads, steps", [(4, 4, 4), (4, 2, 3), (2, 1, 1)])
+def test_ttt_attention_by_log_sum_exp_equals_concatenated_keys(heads: int, kv_heads: int, steps: int) -> None:
+    """The drafter's TTT attention (step-0 keys under the document-causal mask, the diagonal keys of later steps
+    merged through the log-sum-exp) equals attention over all steps' keys under ``ttt_mod``: output and the
+    gradients of queries, keys and values (float64, packed documents, with and without grouped-query heads)."""
+    doc, q, kv = _ttt_attention_inputs(2, 200, heads, kv_heads, steps, "cpu", torch.float64)
+    causal = masks.dense_mask(masks.document_causal_mod(doc), 2, 200, 200, doc.device)
+    out0, lse0 = models.attention(q, kv[0][0], kv[0][1], causal, return_lse=True)
+    got = models.merge_diagonal(q, out0, lse0, kv[1:])
+    want = _concatenated_reference(doc, q, kv)
+    torch.testing.assert_close(got, want)
+    inputs = [q] + [t for pair in kv for t in pair]
+    w = torch.randn_like(want)
+    for a, b in zip(torch.autograd.grad((got * w).sum(), inputs), torch.autograd.grad((want * w).sum(), inputs)):
+        torch.testing.assert_close(a, b)
+
+
+def test_flex_log_sum_exp_is_the_natural_one() -> None:
+    """``attention(..., return_lse=True)`` gives the same log-sum-exp (natural log, scaled scores) from flex
+    (forward only: flex has no CPU backward) as from the dense path."""
+    doc, q, kv = _ttt_attention_inputs(2, 256, 4, 2, 1, "cpu", torch.float32)
+    k0, v0 = kv[0][0].detach(), kv[0][1].detach()
+    q = q.detach()
+    flex_out, flex_lse = models.attention(q, k0, v0, masks.block_mask_from_dense(
+        masks.dense_mask(masks.document_causal_mod(doc), 2, 256, 256, doc.device), masks.document_causal_mod(doc)),
+        return_lse=True)
+    dense_out, dense_lse = models.attention(q, k0, v0, masks.target_mask(doc), return_lse=True)
+    torch.testing.assert_close(flex_lse, dense_lse, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(flex_out, dense_out, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="flex_attention's backward needs CUDA")
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_ttt_attention_compiled_flex_on_cuda(kv_heads: int) -> None:
+    """The CUDA path: compiled flex_attention returning the log-sum-exp (its gradient flows back through the
+    kernel) merged with the diagonal, against the concatenated-keys reference: output and every gradient, bf16."""
+    doc, q, kv = _ttt_attention_inputs(2, 384, 4, kv_heads, 4, "cuda", torch.bfloat16)
+    mask = masks.block_mask_from_dense(masks.dense_mask(masks.document_causal_mod(doc), 2, 384, 384, doc.device),
+                                       masks.document_causal_mod(doc))
+
+    def drafter_attention(q, kv, mask):
+        out0, lse0 = models.attention(q, kv[0][0], kv[0][1], mask, return_lse=True)
+        return models.merge_diagonal(q, out0, lse0, kv[1:])
+
+    got = torch.compile(drafter_attention, dynamic=False)(q, kv, mask)
+    up = lambda t: t.detach().double().requires_grad_()  # noqa: E731
+    q64, kv64 = up(q), [(up(k), up(v)) for k, v in kv]
+    want = _concatenated_reference(doc, q64, kv64)
+    torch.testing.assert_close(got.double(), want, atol=2e-2, rtol=2e-2)
+    w = torch.randn_like(want)
+    grads = torch.autograd.grad((got.double() * w).sum(), [q] + [t for p in kv for t in p])
+    refs = torch.autograd.grad((want * w).sum(), [q64] + [t for p in kv64 for t in p])
+    for a, b in zip(grads, refs):
+        torch.testing.assert_close(a.double(), b, atol=5e-2, rtol=5e-2)
 
 
 def test_markov_batches_made_together_equal_one_at_a_time() -> None:
@@ -75,8 +146,9 @@ def test_markov_batches_made_together_equal_one_at_a_time() -> None:
 
 def test_flop_formulas_match_flop_counter() -> None:
     """The analytic FLOPs per token (target forward, drafter forward + backward) equal torch's FlopCounterMode
-    on a small GQA model; attention through the math SDPA kernel, which computes every (query, key) pair, so
-    the formulas get the dense key counts here."""
+    on a small GQA model; attention through the math SDPA kernel (and the drafter's explicit scores), which
+    compute every (query, key) pair, so the formulas get the dense key counts here: S step-0 keys at every TTT
+    step (the diagonal keys of later steps are elementwise products, not matmuls)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -95,10 +167,10 @@ def test_flop_formulas_match_flop_counter() -> None:
                              target.output_embedding())
     with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as fc:
         loss, _ = models.ttt_loss(drafter, torch.randn(b, s, 3 * dim), tok, pos, doc, torch.randn(b, s, vocab), tok,
-                                  masks.ttt_masks(doc, k))
+                                  masks.target_mask(doc), k)
         loss.backward()
     expected = flops.drafter_flops_per_token_keys(flops.Shape(vocab, dim, heads, kv, ffn),
-                                                  [s * (i + 1) for i in range(k)]) * b * s
+                                                  [s] * k) * b * s
     assert fc.get_total_flops() == expected
 
 
@@ -136,7 +208,7 @@ def test_drafter_fused_projections_equal_separate_ones() -> None:
     pos = torch.arange(s).expand(b, s)
     doc = torch.zeros(b, s, dtype=torch.long)
     args = (torch.randn(b, s, 3 * dim, dtype=torch.float64), tok, pos, doc,
-            torch.randn(b, s, vocab, dtype=torch.float64), tok, masks.ttt_masks(doc, k))
+            torch.randn(b, s, vocab, dtype=torch.float64), tok, masks.target_mask(doc), k)
     results = []
     for fused in (True, False):
         drafter.attn.fused = drafter.mlp.fused = fused
