@@ -17,16 +17,19 @@ PRESETS: Dict[str, Dict[str, Any]] = {
                      ttt_steps=3, lr=3e-3, eval_every=50, log_every=25),
     # several threads sharing one GPU. Both small CUDA presets capture the target forward, the drafter step and
     # the optimizer update as CUDA graphs (--step-graphs) and build masks with one compiled call: a small model is
-    # bound by interpreter time otherwise (docs/trainer.md). 4 + 4 threads: faster than 3 + 2 on an H200.
+    # bound by interpreter time otherwise (docs/trainer.md). 4 + 4 threads: faster than 3 + 2 on an H200. The target
+    # threads' streams get the higher priority: the drafter step is the longer part and fills what they leave.
     "cuda-small": dict(devices="cuda:0", target_threads=4, drafter_threads=4, steps=1000, batch_size=8,
                        seq_len=512, vocab_size=2048, target_dim=256, target_layers=6, target_heads=4,
                        target_ffn=704, ttt_steps=4, lr=3e-3, prior_strength=1.0, eval_every=100, log_every=50,
-                       target_dtype="bfloat16", autocast="bf16", step_graphs=True, mask_builder="compiled"),
+                       target_dtype="bfloat16", autocast="bf16", step_graphs=True, mask_builder="compiled",
+                       stream_priority="target"),
     # 5 target + 3 drafter threads spread round robin over every visible GPU.
     "multi-gpu": dict(devices="cuda", target_threads=5, drafter_threads=3, steps=2000, batch_size=8,
                       seq_len=1024, vocab_size=4096, target_dim=512, target_layers=8, target_heads=8,
                       target_ffn=1408, ttt_steps=5, lr=2e-3, prior_strength=1.0, eval_every=200, log_every=50,
-                      target_dtype="bfloat16", autocast="bf16", step_graphs=True, mask_builder="compiled"),
+                      target_dtype="bfloat16", autocast="bf16", step_graphs=True, mask_builder="compiled",
+                      stream_priority="target"),
     # Llama-3.1-8B-shaped target (random bf16 weights: same compute as the real model) and an EAGLE-3 drafter
     # for it (one decoder layer of the target's width, full-vocabulary LM head) on one GPU.
     "cuda-8b": dict(devices="cuda:0", target_threads=1, drafter_threads=1, steps=50, batch_size=4, seq_len=2048,
@@ -42,6 +45,7 @@ DEFAULTS: Dict[str, Any] = dict(
     ttt_steps=3, lr=3e-3, prior_strength=0.5, eval_every=50, log_every=25, eval_prompts=16, eval_gen_len=48,
     queue_size=4, target_dtype="float32", autocast="off", measure_after=None, target_compile_scope="model",
     target_compile_mode="default", drafter_compile_mode="default", mask_builder="dense", step_graphs=False,
+    stream_priority="none",
 )
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -121,6 +125,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="threaded layout: a thread issues a whole target forward or drafter step while holding one "
                         "process-wide lock, so threads do not hand the GIL to each other at every torch call "
                         "(default off)")
+    g.add_argument("--stream-priority", choices=["none", "drafter", "target"],
+                   help="threaded layout on CUDA: give the target threads' streams (or the drafter threads') the "
+                        "higher scheduling priority, so that on a shared GPU the other part's kernels take the "
+                        "SMs the first part leaves idle (default: target in the cuda-small and multi-gpu presets, "
+                        "none otherwise)")
     g.add_argument("--step-graphs", action=argparse.BooleanOptionalAction,
                    help="CUDA only: capture each target forward, each drafter forward+backward and each optimizer "
                         "update as one CUDA graph (by hand, after two eager steps) and replay it: almost no "

@@ -41,12 +41,16 @@ class Stopped(Exception):
 
 
 class Lane:
-    """A worker thread's device and stream."""
+    """A worker thread's device and stream; ``high_priority``: the stream gets the device's highest scheduling
+    priority (kernels of high-priority streams are scheduled first when SMs free up, also in graph replays)."""
 
-    def __init__(self, device: torch.device, streams: bool) -> None:
+    def __init__(self, device: torch.device, streams: bool, high_priority: bool = False) -> None:
         self.device = device
         self.cuda = device.type == "cuda"
-        self.stream = torch.cuda.Stream(device=device) if self.cuda and streams else None
+        self.stream = None
+        if self.cuda and streams:
+            # Lower is higher; torch maps a value past the device's range to its nearest valid priority.
+            self.stream = torch.cuda.Stream(device=device, priority=-1 if high_priority else 0)
         self._helpers: Dict[int, "torch.cuda.Stream"] = {}
 
     def context(self):

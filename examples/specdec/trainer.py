@@ -353,7 +353,8 @@ def run_training(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed + 1)
     buffer_dtype = torch.bfloat16 if args.autocast == "bf16" else torch.float32
     proto = models.Drafter(dcfg, target0.input_embedding(), target0.output_embedding(), buffer_dtype)
-    lanes = [Lane(dev, args.streams) for dev in d_dev]
+    threaded = args.layout == "threaded"
+    lanes = [Lane(dev, args.streams, threaded and args.stream_priority == "drafter") for dev in d_dev]
     replicas: List[Replica] = []
     loss_fn = maybe_compile(args, models.ttt_loss, args.drafter_compile_mode)
     for dev, lane in zip(d_dev, lanes):
@@ -538,7 +539,7 @@ def run_training(args: argparse.Namespace) -> int:
                     run.last_progress = time.monotonic()
 
     if args.layout == "threaded":
-        t_lanes = [Lane(dev, args.streams) for dev in t_dev]
+        t_lanes = [Lane(dev, args.streams, args.stream_priority == "target") for dev in t_dev]
         queues = [queue.Queue(maxsize=args.queue_size) for _ in range(D)]
         threads = [worker(run, f"target-{j}@{t_dev[j]}", lambda j=j: target_loop(j)) for j in range(T)]
         threads += [worker(run, f"drafter-{d}@{d_dev[d]}", lambda d=d: drafter_loop(d)) for d in range(D)]
