@@ -81,6 +81,33 @@ def test_resume_reproduces_loss_curve(tmp_path: Path) -> None:
         assert b[step] == pytest.approx(a[step], abs=1e-6), (step, a[step], b[step])
 
 
+def cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+@pytest.mark.skipif(not cuda_available(), reason="--step-graphs needs CUDA")
+def test_resume_with_step_graphs_on_cuda(tmp_path: Path) -> None:
+    """A --step-graphs run resumed from its step-6 checkpoint: the resumed replicas load their optimizer state
+    into the tensors the captured update reads (step counts on the device, the learning rate a tensor), so steps
+    7..12 give the first run's losses (to kernel rounding: the first run replays graphs there, the resumed run
+    makes its eager warm-up calls first)."""
+    common = ["--preset", "cuda-small", "--target-threads", "2", "--drafter-threads", "2", "--steps", "12",
+              "--eval-every", "0", "--log-every", "1000"]
+    proc, _ = run(common + ["--save-every", "6", "--out", str(tmp_path / "a")], timeout=400)
+    assert proc.returncode == 0, explain(proc)
+    proc, s = run(common + ["--resume", str(tmp_path / "a" / "ckpt-000006"), "--out", str(tmp_path / "b")], timeout=400)
+    assert proc.returncode == 0, explain(proc)
+    assert s["start_step"] == 6 and s["status"] == "ok"
+    a, b = train_records(tmp_path / "a" / "metrics.jsonl"), train_records(tmp_path / "b" / "metrics.jsonl")
+    assert sorted(b) == list(range(7, 13))
+    for step in b:
+        assert b[step] == pytest.approx(a[step], rel=2e-3), (step, a[step], b[step])
+
+
 def test_hf_target_checkpoint(tmp_path: Path) -> None:
     """A tiny Llama checkpoint written here, trained on a local .txt with the byte-level tokenizer."""
     transformers = pytest.importorskip("transformers")
