@@ -41,8 +41,9 @@ class Stopped(Exception):
 
 
 class Lane:
-    """A worker thread's device and stream; ``high_priority``: the stream gets the device's highest scheduling
-    priority (kernels of high-priority streams are scheduled first when SMs free up, also in graph replays)."""
+    """A worker thread's device and stream; ``high_priority``: the stream gets a higher scheduling priority than
+    the default (the CUDA scheduler starts blocks of higher-priority streams first when SMs free up; a CUDA graph
+    replayed on the stream runs at its priority)."""
 
     def __init__(self, device: torch.device, streams: bool, high_priority: bool = False) -> None:
         self.device = device
