@@ -90,10 +90,10 @@ def test_flex_log_sum_exp_is_the_natural_one() -> None:
     doc, q, kv = _ttt_attention_inputs(2, 256, 4, 2, 1, "cpu", torch.float32)
     k0, v0 = kv[0][0].detach(), kv[0][1].detach()
     q = q.detach()
-    flex_out, flex_lse = models.attention(q, k0, v0, masks.block_mask_from_dense(
-        masks.dense_mask(masks.document_causal_mod(doc), 2, 256, 256, doc.device), masks.document_causal_mod(doc)),
-        return_lse=True)
-    dense_out, dense_lse = models.attention(q, k0, v0, masks.target_mask(doc), return_lse=True)
+    dense = masks.target_mask(doc)  # on the CPU a boolean mask; the same as a BlockMask for flex
+    block = masks.block_mask_from_dense(dense, masks.document_causal_mod(doc))
+    flex_out, flex_lse = models.attention(q, k0, v0, block, return_lse=True)
+    dense_out, dense_lse = models.attention(q, k0, v0, dense, return_lse=True)
     torch.testing.assert_close(flex_lse, dense_lse, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(flex_out, dense_out, atol=1e-4, rtol=1e-4)
 
@@ -104,8 +104,7 @@ def test_ttt_attention_compiled_flex_on_cuda(kv_heads: int) -> None:
     """The CUDA path: compiled flex_attention returning the log-sum-exp (its gradient flows back through the
     kernel) merged with the diagonal, against the concatenated-keys reference: output and every gradient, bf16."""
     doc, q, kv = _ttt_attention_inputs(2, 384, 4, kv_heads, 4, "cuda", torch.bfloat16)
-    mask = masks.block_mask_from_dense(masks.dense_mask(masks.document_causal_mod(doc), 2, 384, 384, doc.device),
-                                       masks.document_causal_mod(doc))
+    mask = masks.target_mask(doc)  # a BlockMask on CUDA: what the drafter step gets
 
     def drafter_attention(q, kv, mask):
         out0, lse0 = models.attention(q, kv[0][0], kv[0][1], mask, return_lse=True)
