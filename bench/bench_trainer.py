@@ -8,7 +8,10 @@ watchdog, exit 3, is reported as hung):
   sequential baseline (one thread per device: target forward, then drafter step; SpecForge / EAGLE-3 style), back
   to back, same preset, model, data, batch, steps and compile settings. For each ``--threads T+D`` the threaded run
   is compared with the sequential run that trains on the same D batches per step. Prints steady drafter tokens/s
-  (compile and warm-up steps excluded), time to first step, MFU, GPU utilisation and peak memory.
+  (compile and warm-up steps excluded), time to first step, MFU, GPU utilisation and peak memory, and whether the
+  two runs trained the same thing: both layouts see the same batches and average the same gradients, so their
+  per-step losses must agree to rounding (``--loss-tol``); a threaded run whose losses depart from its sequential
+  run's is marked in the table and makes the benchmark exit 2, however fast it was.
 * ``--compare ttc``: the threaded layout with and without torch_threadsafe_compile (``--no-ttc``).
 
     python bench/bench_trainer.py --preset cuda-small --steps 120
@@ -153,7 +156,8 @@ def table(results: List[Dict[str, Any]]) -> str:
 def layout_table(results: List[Dict[str, Any]]) -> str:
     head = ["run", "status", "steady tokens/s drafter (target)", "vs sequential", "first step s (target / drafter)",
             "wall s", "MFU target / drafter (steady share)", "MFU in interval target / drafter", "GPU util %",
-            "host CPU s/s", "peak GPU MiB", "τ start → end", "unique graphs", "errors", "compile cache"]
+            "host CPU s/s", "peak GPU MiB", "τ start → end", "losses vs sequential", "unique graphs", "errors",
+            "compile cache"]
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results:
         s: Dict = r["summary"] or {}
@@ -173,11 +177,51 @@ def layout_table(results: List[Dict[str, Any]]) -> str:
             f"{pct((phases.get('drafter') or {}).get('mfu_in_interval'))}",
             fmt(s.get("gpu_util_pct")), fmt(((tp.get("window") or {}).get("host_cpu_per_s")), 2),
             fmt(peak / 2**20 if peak else None),
-            f"{fmt(s.get('tau_initial'), 2)} → {fmt(s.get('tau_final'), 2)}",
+            f"{fmt(s.get('tau_initial'), 2)} → {fmt(s.get('tau_final'), 2)}", agreement_text(r.get("losses")),
             fmt((s.get("compile") or {}).get("unique_graphs")), fmt((s.get("errors") or {}).get("total")),
             r.get("cache", "–"),
         ]) + " |")
     return "\n".join(rows)
+
+
+def train_losses(out: Optional[str]) -> Dict[int, float]:
+    """Per-step training losses of one run, from its ``metrics.jsonl`` (empty when the run left none)."""
+    path = Path(out) / "metrics.jsonl" if out else None
+    losses: Dict[int, float] = {}
+    if path is None or not path.exists():
+        return losses
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if rec.get("kind") == "train" and isinstance(rec.get("loss"), (int, float)):
+            losses[int(rec["step"])] = float(rec["loss"])
+    return losses
+
+
+def loss_agreement(a: Dict[int, float], b: Dict[int, float], tol: float) -> Optional[Dict[str, Any]]:
+    """Compare two runs' per-step losses over the steps both logged: the largest absolute difference, the first
+    step where it exceeds ``tol`` (None: they agree) and how many steps were compared. None when there is
+    nothing to compare."""
+    steps = sorted(set(a) & set(b))
+    if not steps:
+        return None
+    diffs = {s: abs(a[s] - b[s]) for s in steps}
+    nan_last = lambda s: float("inf") if diffs[s] != diffs[s] else diffs[s]  # noqa: E731 - a NaN loss is the worst
+    worst = max(steps, key=nan_last)
+    first = next((s for s in steps if not diffs[s] <= tol), None)  # (NaN counts as a difference)
+    return {"steps": len(steps), "max_abs": diffs[worst], "max_at": worst, "first_over_tol": first, "tol": tol,
+            "agree": first is None}
+
+
+def agreement_text(ag: Optional[Dict[str, Any]]) -> str:
+    if ag is None:
+        return "–"
+    if ag["agree"]:
+        return f"same (max Δ {ag['max_abs']:.1e} over {ag['steps']} steps)"
+    return (f"**DIFFER** from step {ag['first_over_tol']} (max Δ {ag['max_abs']:.3g} at step {ag['max_at']}, "
+            f"tol {ag['tol']:g})")
 
 
 def parse_threads(spec: str) -> List[Tuple[int, int]]:
@@ -212,10 +256,12 @@ def skipped(label: str) -> Dict[str, Any]:
 def compare_layouts(preset: str, pairs: List[Tuple[int, int]], base: List[str], env: Dict[str, str], work: Path,
                     timeout: float, budget: Budget, cache: str, tag: str = "", sequential_first: bool = True,
                     layouts: Tuple[str, ...] = ("sequential", "threaded"),
-                    variants: Sequence[Tuple[str, List[str]]] = (("", []),)) -> List[Dict[str, Any]]:
+                    variants: Sequence[Tuple[str, List[str]]] = (("", []),),
+                    loss_tol: float = 0.02) -> List[Dict[str, Any]]:
     """For every T+D: threaded(T, D) once per variant (a label suffix and extra flags), and sequential(D) once per
     distinct D (before or after the threaded runs); ratio = steady drafter tokens/s of threaded / sequential
-    with the same D."""
+    with the same D; ``losses`` = ``loss_agreement`` of their per-step losses (variants must not change what is
+    trained: threads, streams, graphs, priorities)."""
     # (label, trainer flags, D, layout, variant)
     plan: List[Tuple[str, List[str], int, str, str]] = []
     seq_plan = [(f"sequential ×{d}", ["--layout", "sequential", "--drafter-threads", str(d)], d, "sequential", "")
@@ -258,6 +304,8 @@ def compare_layouts(preset: str, pairs: List[Tuple[int, int]], base: List[str], 
             a, b = steady(r), (steady(seq) if seq else None)
             r["ratio"] = f"{a / b:.2f}× (vs sequential ×{r['batches_per_step']})" if a and b else "–"
             r["ratio_value"] = a / b if a and b else None
+            r["losses"] = loss_agreement(train_losses(r.get("out")), train_losses(seq.get("out")) if seq else {},
+                                         loss_tol)
     return results
 
 
@@ -280,6 +328,10 @@ def main() -> int:
                         "first step compare), shared by the runs of this invocation (first run cold), or the "
                         "user's")
     p.add_argument("--warm", action="store_true", help="same as --cache user")
+    p.add_argument("--loss-tol", type=float, default=0.02,
+                   help="layouts: largest per-step loss difference between a threaded run and its sequential run "
+                        "that counts as rounding (default 0.02: bf16 runs on CUDA agree to ~2e-3 after hundreds "
+                        "of steps; CPU float32 runs agree exactly)")
     p.add_argument("--md", help="also write the markdown to this file")
     p.add_argument("--json", help="also write every run's summary to this file")
     p.add_argument("--work-dir", help="keep run outputs here (default: a temporary directory)")
@@ -301,14 +353,19 @@ def main() -> int:
     budget = Budget(a.budget)
     title = (f"### Trainer benchmark: preset `{a.preset}`{' ' + a.extra if a.extra else ''}"
              f"{f', {a.steps} steps' if a.steps else ''}, compile caches: {cache}\n\n")
+    differ: List[Dict[str, Any]] = []  # layouts: threaded runs whose losses depart from their sequential run's
     if a.compare == "layouts":
         sys.path.insert(0, str(ROOT / "examples"))
         from specdec.cli import PRESETS
 
         preset = PRESETS.get(a.preset, {})
         pairs = parse_threads(a.threads or f"{preset.get('target_threads', 1)}+{preset.get('drafter_threads', 1)}")
-        results = compare_layouts(a.preset, pairs, base, env, work, a.timeout, budget, cache)
+        results = compare_layouts(a.preset, pairs, base, env, work, a.timeout, budget, cache, loss_tol=a.loss_tol)
         md = title + layout_table(results) + "\n"
+        differ = [r for r in results if r.get("losses") and not r["losses"]["agree"]]
+        for r in differ:
+            print(f"[bench] {r['label']}: per-step losses depart from the sequential run's: "
+                  f"{agreement_text(r['losses']).replace('**', '')}", file=sys.stderr)
     else:
         runs = [("with TTC", base), ("without TTC (--no-ttc)", base + ["--no-ttc"])]
         if a.only:
@@ -334,7 +391,9 @@ def main() -> int:
         Path(a.md).write_text(md)
     if a.json:
         Path(a.json).write_text(json.dumps(results, indent=2, default=str))
-    return 0 if all(r["rc"] in (0, "skipped") for r in results) else 1
+    if not all(r["rc"] in (0, "skipped") for r in results):
+        return 1
+    return 2 if differ else 0
 
 
 if __name__ == "__main__":

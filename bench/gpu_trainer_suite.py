@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, Dict, List
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_trainer import Budget, compare_layouts, layout_table, steady  # noqa: E402
+from bench_trainer import Budget, agreement_text, compare_layouts, layout_table, steady  # noqa: E402
 
 PARTS = {
     "small": dict(preset="cuda-small", steps=1000, measure_after=200, pairs=[(3, 2), (4, 4)], timeout=170),
@@ -142,6 +142,9 @@ def checks(results: Dict[str, List[Dict[str, Any]]]) -> List[str]:
                 v = r["ratio_value"]
                 lines.append(f"- {r['label']}: threaded / sequential = {v:.2f} (target ≥ 1.3): "
                              f"{'PASS' if v and v >= 1.3 else 'FAIL'}" if v else f"- {r['label']}: no ratio")
+            if r.get("losses"):  # same batches, same averaged gradients: the same training as the sequential run
+                lines.append(f"- {r['label']}: per-step losses vs sequential: {agreement_text(r['losses'])}: "
+                             f"{'PASS' if r['losses']['agree'] else 'FAIL'}")
     threaded = [r for r in results.get("multi", []) if r.get("layout") == "threaded"]
     for variant in dict.fromkeys(r.get("variant", "") for r in threaded):
         rates = [(r["label"], steady(r)) for r in threaded if r.get("variant", "") == variant]

@@ -225,6 +225,37 @@ def test_bench_compares_layouts(tmp_path: Path) -> None:
     results = json.loads((tmp_path / "bench.json").read_text())
     assert [r["layout"] for r in results] == ["sequential", "threaded"]
     assert results[1]["ratio_value"] and results[1]["ratio_value"] > 0
+    # Same batches, same averaged gradients: the bench checks that both runs trained the same thing.
+    assert results[1]["losses"]["agree"] and results[1]["losses"]["steps"] == 6, results[1]["losses"]
+    assert "same (max Δ" in proc.stdout, proc.stdout
+
+
+def test_bench_flags_layouts_that_train_differently(tmp_path: Path) -> None:
+    """The bench's loss comparison: a threaded run whose per-step losses leave the sequential run's beyond the
+    tolerance is reported from the first such step (a NaN loss counts as a difference), and runs without
+    common steps are not compared."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import bench_trainer
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    for name, losses in (("seq", {1: 8.3, 2: 8.1, 3: 7.9, 4: 7.7}), ("thr", {1: 8.3, 2: 8.1001, 3: 8.0, 4: 7.5}),
+                         ("nan", {1: 8.3, 2: float("nan")})):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.jsonl").write_text("".join(
+            json.dumps({"kind": "train", "step": k, "loss": v}) + "\n" + json.dumps({"kind": "eval", "step": k}) + "\n"
+            for k, v in losses.items()))
+    seq, thr, nan = (bench_trainer.train_losses(str(tmp_path / n)) for n in ("seq", "thr", "nan"))
+    assert seq == {1: 8.3, 2: 8.1, 3: 7.9, 4: 7.7}
+    ag = bench_trainer.loss_agreement(thr, seq, tol=0.02)
+    assert ag is not None and not ag["agree"] and ag["first_over_tol"] == 3 and ag["max_at"] == 4
+    assert ag["max_abs"] == pytest.approx(0.2)
+    assert "DIFFER** from step 3" in bench_trainer.agreement_text(ag)
+    assert bench_trainer.loss_agreement(thr, seq, tol=0.5)["agree"]
+    ag_nan = bench_trainer.loss_agreement(nan, seq, tol=0.02)
+    assert ag_nan is not None and ag_nan["first_over_tol"] == 2 and ag_nan["max_at"] == 2
+    assert bench_trainer.loss_agreement(seq, bench_trainer.train_losses(str(tmp_path / "missing")), 0.02) is None
+    assert bench_trainer.agreement_text(None) == "–"
 
 
 def test_hang_watchdog() -> None:
