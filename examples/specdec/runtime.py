@@ -5,10 +5,18 @@ the GPU work of different threads can overlap (on the shared default stream it w
 whichever thread issued it). Work crosses lanes in three places, and each is ordered by a CUDA event, never by a
 host synchronisation:
 
-* target -> drafter (the queue): the target records an event after its forward; the drafter's stream waits for it
-  and marks the tensors as used by its stream (``record_stream``), so the caching allocator does not hand their
-  memory back to the target's stream while the drafter still reads it. Across GPUs the copy runs on a helper
-  stream of the source GPU that waits for the event.
+* target -> drafter (the queue): the target records an event after its forward; the drafter's stream waits for it,
+  and the drafter keeps the tensors referenced until its stream has finished with them (``Lane.release``: an
+  event, polled), so the caching allocator cannot hand their memory back to the target's stream while the
+  drafter still reads it. Across GPUs the copy runs on a helper stream of the source GPU that waits for the event.
+
+  Not ``record_stream``, the usual tool: the caching allocator drops a stream use recorded while *any* thread
+  was capturing a CUDA graph when the tensor is also freed during a capture (it takes such streams to belong to
+  the capture: ``remove_graph_stream_uses`` in CUDACachingAllocator.cpp, since pytorch#126809) and frees the
+  block at once. With ``--step-graphs`` other threads capture while the drafters receive and drop batches, so a
+  target thread could get a drafter's input buffer for its next batch while the drafter still read it: the
+  likely cause of 5 target + 3 drafter threads on one GPU departing from the sequential layout's losses after
+  the first captures (docs/trainer.md).
 * drafter -> reducer -> drafter (gradient averaging): each thread records an event after its backward; the
   leader's stream waits for all of them, sums into a persistent buffer, records an event; every thread's stream
   waits for that one before copying the average back. Persistent buffers mean no allocator hazards, and the waits
@@ -53,6 +61,9 @@ class Lane:
             # Lower is higher; torch maps a value past the device's range to its nearest valid priority.
             self.stream = torch.cuda.Stream(device=device, priority=-1 if high_priority else 0)
         self._helpers: Dict[int, "torch.cuda.Stream"] = {}
+        # (event, tensors): tensors used by a stream of this lane, kept alive until the event (recorded after their
+        # last use was issued) has completed. Events complete in stream order, so the oldest is checked first.
+        self._held: Deque[Tuple["torch.cuda.Event", Sequence[torch.Tensor]]] = deque()
 
     def context(self):
         """Enter once at the top of the thread: makes the lane's device and stream current for it."""
@@ -84,7 +95,8 @@ class Lane:
         return self._helpers[index]
 
     def fetch(self, tensors: Sequence[torch.Tensor], ev: Event) -> List[torch.Tensor]:
-        """Tensors produced on another lane (complete at ``ev``), made safe to use on this lane."""
+        """Tensors produced on another lane (complete at ``ev``), made safe to use on this lane. The caller passes
+        them to ``release`` once it has issued its last use of them."""
         if self.stream is None:
             return [t.to(self.device, non_blocking=True) for t in tensors]  # default streams: ordered already
         out: List[torch.Tensor] = []
@@ -94,19 +106,33 @@ class Lane:
                 if not waited:
                     self.wait(ev)
                     waited = True
-                t.record_stream(self.stream)
                 out.append(t)
             else:
                 # Across GPUs torch copies on the *source* GPU's current stream, which for this thread is not the
-                # producer's: a helper stream of the source GPU waits for the producer, runs the copy (torch
-                # orders it with this lane's stream), and keeps the source alive until the copy is done.
+                # producer's: a helper stream of the source GPU waits for the producer and runs the copy (torch
+                # orders it with this lane's stream); the source stays referenced until the copy is done.
                 helper = self._helper(t.device)
                 if ev is not None:
                     helper.wait_event(ev)
                 with torch.cuda.stream(helper):
                     out.append(t.to(self.device, non_blocking=True))
-                t.record_stream(helper)
+                self._hold([t], helper)
         return out
+
+    def release(self, tensors: Sequence[torch.Tensor]) -> None:
+        """This thread has issued its last use of ``tensors`` (from ``fetch``): keep them referenced until this
+        lane's stream has run that work, so that their memory cannot be reused by their producer's stream before
+        (see the module docstring for why not ``record_stream``). Also drops what earlier calls held and the
+        stream has finished with; nothing here waits."""
+        if self.stream is not None:
+            self._hold(tensors, self.stream)
+
+    def _hold(self, tensors: Sequence[torch.Tensor], stream: "torch.cuda.Stream") -> None:
+        ev = torch.cuda.Event()
+        ev.record(stream)
+        self._held.append((ev, list(tensors)))
+        while self._held and self._held[0][0].query():
+            self._held.popleft()
 
     def copy_into(self, dst: torch.Tensor, src: torch.Tensor, ev: Event) -> None:
         """``dst`` (on this lane) <- ``src`` (produced on another lane, complete at ``ev``)."""

@@ -505,6 +505,7 @@ def run_training(args: argparse.Namespace) -> int:
                     del item
                     started = timer.start(s)
                     rep.forward_backward(run, feats, first=True)
+                    rep.lane.release(feats)  # referenced until this stream has read them (not record_stream)
                     del feats
                 rep.update(run, d, s, lr_at(args, s))
                 timer.stop("drafter", s + 1, started)

@@ -365,6 +365,75 @@ def test_reducer_as_step_graph_averages_and_clips_like_eager() -> None:
         assert not torch.equal(eager[i][0], eager[i][-1])  # new gradients every step, not one replay repeated
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("keep", ["record_stream", "Lane.release"])
+def test_handoff_outlives_another_threads_capture(keep: str) -> None:
+    """A tensor made on a producer stream is read on a consumer stream and dropped while another thread captures a
+    CUDA graph; the producer then allocates again. With ``record_stream`` the caching allocator drops the
+    consumer's use (a stream use recorded while a capture is underway, on a block freed while one is underway, is
+    taken to belong to the capture: ``remove_graph_stream_uses``) and gives the block straight back to the
+    producer, whose next write lands in what the consumer has not read yet. ``Lane.release`` keeps the tensor
+    referenced until the consumer's stream has passed an event, so the consumer reads what the producer made.
+    (The trainer's target -> drafter hand-off used record_stream; with --step-graphs, other threads capture while
+    batches are handed over.)"""
+    import threading
+
+    from specdec.runtime import Lane
+
+    n = 1 << 22  # 16 MiB of float32: a large-pool block of its own
+    producer = torch.cuda.Stream()
+    consumer = Lane(torch.device("cuda"), streams=True)
+    capturing, finish = threading.Event(), threading.Event()
+    errors: list = []
+
+    def capture() -> None:
+        try:
+            stream = torch.cuda.Stream()
+            with torch.cuda.stream(stream):
+                static = torch.zeros(8, device="cuda")
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+                static.add_(1)
+                capturing.set()
+                finish.wait(60)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+            capturing.set()
+
+    with torch.cuda.stream(producer):
+        x = torch.full((n,), 1.0, device="cuda")
+    address = x.data_ptr()
+    made = torch.cuda.Event()
+    made.record(producer)
+    thread = threading.Thread(target=capture)
+    thread.start()
+    assert capturing.wait(60)
+    with consumer.context():
+        (x_in,) = consumer.fetch([x], made)
+        torch.cuda._sleep(500_000_000)  # a few hundred ms: the read below runs after the producer's next write
+        y = x_in * 1
+        if keep == "record_stream":
+            x_in.record_stream(consumer.stream)
+        else:
+            consumer.release([x_in])
+    del x, x_in
+    finish.set()
+    thread.join(60)
+    assert not errors, errors[0]
+    with torch.cuda.stream(producer):
+        z = torch.empty(n, device="cuda")
+        z.fill_(2.0)
+    reused = z.data_ptr() == address
+    torch.cuda.synchronize()
+    read = torch.unique(y).tolist()
+    if keep == "record_stream":
+        # What upstream does (the reason the trainer no longer uses record_stream for hand-offs); if a torch
+        # release keeps the use, this fails, and docs/trainer.md should say from which version.
+        assert reused and read == [2.0], (reused, read)
+    else:
+        assert not reused and read == [1.0], (reused, read)
+
+
 def test_captured_step_graph_copies_inputs_then_replays() -> None:
     """After capture (a stand-in graph here: CPU), each call copies the new tensor inputs into the static ones in
     one call (``None`` inputs skipped) and replays; a graph without inputs (the optimizer update) just replays."""
