@@ -200,28 +200,47 @@ def train_losses(out: Optional[str]) -> Dict[int, float]:
     return losses
 
 
-def loss_agreement(a: Dict[int, float], b: Dict[int, float], tol: float) -> Optional[Dict[str, Any]]:
-    """Compare two runs' per-step losses over the steps both logged: the largest absolute difference, the first
-    step where it exceeds ``tol`` (None: they agree) and how many steps were compared. None when there is
-    nothing to compare."""
+# What counts as "trained the same": two runs of one command in the sequential layout, on an H200 in bf16, differ
+# by up to 0.036 at single steps while the loss falls fastest (cuda-small, steps 90-150; CUDA's reductions are not
+# bitwise deterministic) and by 1e-4 at the end; the mean difference over any 20 consecutive steps stayed under
+# 0.02 (docs/results/trainer-h200-handoff.md). A hand-off race (the record_stream bug, same document) departed by
+# 0.1-0.2 at every step from step 7 on. Hence a windowed mean, not the largest single difference.
+LOSS_TOL = 0.05
+LOSS_WINDOW = 20
+
+
+def loss_agreement(a: Dict[int, float], b: Dict[int, float], tol: float = LOSS_TOL,
+                   window: int = LOSS_WINDOW) -> Optional[Dict[str, Any]]:
+    """Compare two runs' per-step losses over the steps both logged. They agree when the mean absolute difference
+    over every ``window`` consecutive common steps (all of them, if fewer) is at most ``tol``; otherwise they
+    depart from the first step of the first such window whose own difference exceeds ``tol``. Also returns the
+    largest single difference and where. A NaN loss counts as a difference. None when there is nothing to
+    compare."""
     steps = sorted(set(a) & set(b))
     if not steps:
         return None
-    diffs = {s: abs(a[s] - b[s]) for s in steps}
-    nan_last = lambda s: float("inf") if diffs[s] != diffs[s] else diffs[s]  # noqa: E731 - a NaN loss is the worst
-    worst = max(steps, key=nan_last)
-    first = next((s for s in steps if not diffs[s] <= tol), None)  # (NaN counts as a difference)
-    return {"steps": len(steps), "max_abs": diffs[worst], "max_at": worst, "first_over_tol": first, "tol": tol,
-            "agree": first is None}
+    diffs = [abs(a[s] - b[s]) for s in steps]
+    nan_last = lambda i: float("inf") if diffs[i] != diffs[i] else diffs[i]  # noqa: E731 - a NaN loss is the worst
+    worst = max(range(len(steps)), key=nan_last)
+    w = max(1, min(window, len(steps)))
+    means = [sum(diffs[i:i + w]) / w for i in range(len(steps) - w + 1)]
+    first = None
+    over = next((i for i, m in enumerate(means) if not m <= tol), None)  # (a NaN mean counts as over)
+    if over is not None:
+        first = next(steps[j] for j in range(over, over + w) if not diffs[j] <= tol)
+    worst_mean = max(means, key=lambda m: float("inf") if m != m else m)
+    return {"steps": len(steps), "max_abs": diffs[worst], "max_at": steps[worst], "window": w,
+            "max_window_mean": worst_mean, "first_over_tol": first, "tol": tol, "agree": first is None}
 
 
 def agreement_text(ag: Optional[Dict[str, Any]]) -> str:
     if ag is None:
         return "–"
     if ag["agree"]:
-        return f"same (max Δ {ag['max_abs']:.1e} over {ag['steps']} steps)"
-    return (f"**DIFFER** from step {ag['first_over_tol']} (max Δ {ag['max_abs']:.3g} at step {ag['max_at']}, "
-            f"tol {ag['tol']:g})")
+        return (f"same (mean Δ ≤ {ag['max_window_mean']:.1e} per {ag['window']} steps, max {ag['max_abs']:.1e}, "
+                f"{ag['steps']} steps)")
+    return (f"**DIFFER** from step {ag['first_over_tol']} (mean Δ {ag['max_window_mean']:.3g} per {ag['window']} "
+            f"steps, max {ag['max_abs']:.3g} at step {ag['max_at']}; tol {ag['tol']:g})")
 
 
 def parse_threads(spec: str) -> List[Tuple[int, int]]:
@@ -257,7 +276,7 @@ def compare_layouts(preset: str, pairs: List[Tuple[int, int]], base: List[str], 
                     timeout: float, budget: Budget, cache: str, tag: str = "", sequential_first: bool = True,
                     layouts: Tuple[str, ...] = ("sequential", "threaded"),
                     variants: Sequence[Tuple[str, List[str]]] = (("", []),),
-                    loss_tol: float = 0.02) -> List[Dict[str, Any]]:
+                    loss_tol: float = LOSS_TOL) -> List[Dict[str, Any]]:
     """For every T+D: threaded(T, D) once per variant (a label suffix and extra flags), and sequential(D) once per
     distinct D (before or after the threaded runs); ratio = steady drafter tokens/s of threaded / sequential
     with the same D; ``losses`` = ``loss_agreement`` of their per-step losses (variants must not change what is
@@ -328,10 +347,11 @@ def main() -> int:
                         "first step compare), shared by the runs of this invocation (first run cold), or the "
                         "user's")
     p.add_argument("--warm", action="store_true", help="same as --cache user")
-    p.add_argument("--loss-tol", type=float, default=0.02,
-                   help="layouts: largest per-step loss difference between a threaded run and its sequential run "
-                        "that counts as rounding (default 0.02: bf16 runs on CUDA agree to ~2e-3 after hundreds "
-                        "of steps; CPU float32 runs agree exactly)")
+    p.add_argument("--loss-tol", type=float, default=LOSS_TOL,
+                   help=f"layouts: largest mean per-step loss difference, over any {LOSS_WINDOW} consecutive steps, "
+                        f"between a threaded run and its sequential run that counts as rounding (default "
+                        f"{LOSS_TOL}: two sequential bf16 runs of one command on CUDA stay under 0.02; CPU float32 "
+                        "runs agree exactly)")
     p.add_argument("--md", help="also write the markdown to this file")
     p.add_argument("--json", help="also write every run's summary to this file")
     p.add_argument("--work-dir", help="keep run outputs here (default: a temporary directory)")

@@ -227,13 +227,13 @@ def test_bench_compares_layouts(tmp_path: Path) -> None:
     assert results[1]["ratio_value"] and results[1]["ratio_value"] > 0
     # Same batches, same averaged gradients: the bench checks that both runs trained the same thing.
     assert results[1]["losses"]["agree"] and results[1]["losses"]["steps"] == 6, results[1]["losses"]
-    assert "same (max Δ" in proc.stdout, proc.stdout
+    assert "same (mean Δ" in proc.stdout, proc.stdout
 
 
 def test_bench_flags_layouts_that_train_differently(tmp_path: Path) -> None:
     """The bench's loss comparison: a threaded run whose per-step losses leave the sequential run's beyond the
-    tolerance is reported from the first such step (a NaN loss counts as a difference), and runs without
-    common steps are not compared."""
+    tolerance (as a mean over a window of steps) is reported from the first step that departs (a NaN loss counts
+    as a difference), isolated rounding differences are not, and runs without common steps are not compared."""
     sys.path.insert(0, str(ROOT / "bench"))
     try:
         import bench_trainer
@@ -256,6 +256,17 @@ def test_bench_flags_layouts_that_train_differently(tmp_path: Path) -> None:
     assert ag_nan is not None and ag_nan["first_over_tol"] == 2 and ag_nan["max_at"] == 2
     assert bench_trainer.loss_agreement(seq, bench_trainer.train_losses(str(tmp_path / "missing")), 0.02) is None
     assert bench_trainer.agreement_text(None) == "–"
+    # Over longer runs the criterion is a mean over a window of steps: CUDA's rounding gives isolated steps a few
+    # hundredths apart (measured: up to 0.036 between two runs of one command) and that is not a departure; a
+    # difference that stays (a race: 0.1 and more from some step on) is, from the step where it starts.
+    base = {s: 9.0 - s / 100 for s in range(1, 61)}
+    spiky = {s: v + (0.036 if s == 30 else 0.001 * (-1) ** s) for s, v in base.items()}
+    ag_spiky = bench_trainer.loss_agreement(spiky, base)
+    assert ag_spiky["agree"] and ag_spiky["max_at"] == 30 and ag_spiky["window"] == 20, ag_spiky
+    assert "same (mean Δ" in bench_trainer.agreement_text(ag_spiky)
+    raced = {s: v + (0.1 if s >= 7 else 0.0) for s, v in base.items()}
+    ag_raced = bench_trainer.loss_agreement(raced, base)
+    assert not ag_raced["agree"] and ag_raced["first_over_tol"] == 7, ag_raced
 
 
 def test_hang_watchdog() -> None:
