@@ -14,9 +14,9 @@ host synchronisation:
   was capturing a CUDA graph when the tensor is also freed during a capture (it takes such streams to belong to
   the capture: ``remove_graph_stream_uses`` in CUDACachingAllocator.cpp, since pytorch#126809) and frees the
   block at once. With ``--step-graphs`` other threads capture while the drafters receive and drop batches, so a
-  target thread could get a drafter's input buffer for its next batch while the drafter still read it: the
-  likely cause of 5 target + 3 drafter threads on one GPU departing from the sequential layout's losses after
-  the first captures (docs/trainer.md).
+  target thread could get a drafter's input buffer for its next batch while the drafter still read it: this made
+  5 target + 3 drafter threads on one GPU depart from the sequential layout's losses after the first captures
+  (docs/trainer.md; reproduced by tests/examples/test_specdec_units.py::test_handoff_outlives_another_threads_capture).
 * drafter -> reducer -> drafter (gradient averaging): each thread records an event after its backward; the
   leader's stream waits for all of them, sums into a persistent buffer, records an event; every thread's stream
   waits for that one before copying the average back. Persistent buffers mean no allocator hazards, and the waits
