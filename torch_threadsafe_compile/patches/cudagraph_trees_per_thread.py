@@ -547,7 +547,7 @@ def apply(changes: Changes) -> dict[str, Any]:
     return {}
 
 
-def _probe() -> tuple[int, int, int]:
+def _probe() -> tuple[Any, Any, int]:
     """In a fresh thread: its containers are its own, stashed in its own TLS, and its generation counts alone."""
     rt = _RUNTIME
     assert rt is not None
@@ -562,7 +562,8 @@ def _probe() -> tuple[int, int, int]:
     rt.state(containers).generation += 1  # what a compiled call in this thread does
     if cgt.CUDAGraphTreeManager.get_curr_generation() == before:
         raise AssertionError("the thread's generation does not follow its own calls")
-    return id(containers), id(locks), rt.upstream_state.generation
+    # The objects, not their ids: the caller keeps them alive, so a later thread's cannot reuse their addresses.
+    return containers, locks, rt.upstream_state.generation
 
 
 def verify() -> None:
@@ -571,9 +572,10 @@ def verify() -> None:
         raise AssertionError("not applied")
     upstream = rt.upstream_state.generation
     a = run_in_thread(_probe)
-    b = run_in_thread(_probe)
-    if a[0] == b[0] and a[1] == b[1]:
+    b = run_in_thread(_probe)  # while ``a`` holds the first thread's containers (ids of freed objects recur)
+    if a[0] is b[0] or a[1] is b[1]:
         raise AssertionError("two threads share one set of containers")
+    del a, b
     if rt.upstream_state.generation != upstream:
         raise AssertionError("another thread's calls moved the importing thread's generation")
     for name in _LOCKED_MANAGER_METHODS:
