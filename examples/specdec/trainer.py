@@ -578,7 +578,7 @@ def run_training(args: argparse.Namespace) -> int:
         elif saved.get("step") is not None:
             kept = (str(out / f"ckpt-{saved['step']:06d}"), saved["step"])
     checksum = float(sum(p.detach().double().sum().cpu() for p in leader.model.parameters())) if sync_error is None else float("nan")
-    print(f"PARAM_CHECKSUM rank={rank} {checksum:.10e}", flush=True)
+    emit_line(f"PARAM_CHECKSUM rank={rank} {checksum:.10e}")
     peak = None
     if cuda:
         peak = sum(torch.cuda.max_memory_allocated(d) for d in dict.fromkeys(devices))
@@ -622,7 +622,7 @@ def run_training(args: argparse.Namespace) -> int:
         (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     log.close()
     if rank == 0:
-        print("SUMMARY " + json.dumps(short_summary(summary, out), default=str), flush=True)
+        emit_line("SUMMARY " + json.dumps(short_summary(summary, out), default=str))
     if status == "error":
         print(f"\nFATAL: a worker thread failed; first error:\n{run.errors.first}", file=sys.stderr, flush=True)
         where = f"checkpoint of step {kept[1]} kept: {kept[0]}" if kept else "no checkpoint written"
@@ -698,6 +698,14 @@ def emergency_checkpoint(out: Path, replicas: List[Replica], saved_step: Optiona
     except Exception as e:  # the device may be unusable after the failure
         print(f"checkpoint of step {rep.completed} not written: {one_line(e)}", file=sys.stderr, flush=True)
         return None
+
+
+def emit_line(line: str) -> None:
+    """Print one machine-read line (SUMMARY, PARAM_CHECKSUM) in a single write. Ranks of a torchrun job share
+    stdout, and print() writes the text and its newline separately: with unbuffered stdout another rank's line
+    could land between the two (seen once in CI as two checksums on one line)."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
 
 
 def one_line(exc: BaseException) -> str:
@@ -792,7 +800,7 @@ def hang_exit(run: Run, idle: float) -> None:
         run.gpu_util.close()
     if run.args.out and run.rank == 0:
         Path(run.args.out, "summary.json").write_text(json.dumps(summary, indent=2, default=str))
-    print("SUMMARY " + json.dumps(summary, default=str), flush=True)
+    emit_line("SUMMARY " + json.dumps(summary, default=str))
     print(f"train.py: error: hang: no drafter step completed in {idle:.0f} s (last completed step {run.steps_done})",
           file=sys.stderr, flush=True)
     sys.stderr.flush()

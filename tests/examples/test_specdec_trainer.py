@@ -14,6 +14,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN = ROOT / "examples" / "specdec" / "train.py"
+# The checksum as the trainer prints it (%.10e, or nan); matching the number rather than "up to whitespace" keeps
+# the parse right if another rank's output follows on the same line.
+NUM = r"[-+]?(?:\d+\.\d+e[-+]\d+|nan|inf)"
 
 # A model small enough that cold compiles stay short on a 2-core machine; every test uses the same shapes, so
 # later tests reuse the inductor cache.
@@ -134,7 +137,7 @@ def test_two_processes_gloo() -> None:
                           "--compile-backend", "aot_eager"], prefix=prefix)
     assert proc.returncode == 0, explain(proc)
     assert s["world_size"] == 2 and s["status"] == "ok"
-    sums = dict(re.findall(r"PARAM_CHECKSUM rank=(\d) (\S+)", proc.stdout))
+    sums = dict(re.findall(rf"PARAM_CHECKSUM rank=(\d) ({NUM})", proc.stdout))
     assert set(sums) == {"0", "1"} and sums["0"] == sums["1"], sums
 
 
@@ -203,7 +206,7 @@ def test_sequential_layout_matches_threaded(tmp_path: Path) -> None:
     assert full["c"]["config"]["host_lock"] is True and full["a"]["config"]["host_lock"] is False
     lc = train_records(tmp_path / "c" / "metrics.jsonl")
     assert sorted(lc) == sorted(la) and all(lc[step] == pytest.approx(la[step], abs=1e-5) for step in la)
-    sums = [re.search(r"PARAM_CHECKSUM rank=0 (\S+)", p.stdout).group(1) for p in (proc_a, proc_b, proc_c)]
+    sums = [re.search(rf"PARAM_CHECKSUM rank=0 ({NUM})", p.stdout).group(1) for p in (proc_a, proc_b, proc_c)]
     assert float(sums[0]) == pytest.approx(float(sums[1]), rel=1e-6), sums
     assert float(sums[0]) == pytest.approx(float(sums[2]), rel=1e-6), sums
     for s in (a, b, c):
