@@ -507,3 +507,23 @@ def test_markov_cache_stays_bounded_under_racing_threads() -> None:
             assert len(data._cache) <= data.cached_blocks
     finally:
         sys.setswitchinterval(old)
+
+
+def test_machine_read_lines_are_one_write(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SUMMARY and PARAM_CHECKSUM lines reach stdout in one write: torchrun's ranks share stdout, and print() writes
+    a line's text and its newline separately, so another rank's line could land between them."""
+    from specdec import trainer
+
+    writes: list = []
+
+    class Recorder:
+        def write(self, s: str) -> int:
+            writes.append(s)
+            return len(s)
+
+        def flush(self) -> None:
+            pass
+
+    monkeypatch.setattr(sys, "stdout", Recorder())
+    trainer.emit_line("PARAM_CHECKSUM rank=0 1.0000000000e+00")
+    assert writes == ["PARAM_CHECKSUM rank=0 1.0000000000e+00\n"]
