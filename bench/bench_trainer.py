@@ -156,8 +156,8 @@ def table(results: List[Dict[str, Any]]) -> str:
 def layout_table(results: List[Dict[str, Any]]) -> str:
     head = ["run", "status", "steady tokens/s drafter (target)", "vs sequential", "first step s (target / drafter)",
             "wall s", "MFU target / drafter (steady share)", "MFU in interval target / drafter", "GPU util %",
-            "host CPU s/s", "peak GPU MiB", "τ start → end", "losses vs sequential", "unique graphs", "errors",
-            "compile cache"]
+            "host CPU s/s", "peak GPU MiB allocated / reserved", "τ start → end", "losses vs sequential",
+            "unique graphs", "errors", "compile cache"]
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results:
         s: Dict = r["summary"] or {}
@@ -165,6 +165,7 @@ def layout_table(results: List[Dict[str, Any]]) -> str:
         mfu = s.get("mfu", {}) or {}
         phases = mfu.get("phases", {}) or {}
         peak = s.get("peak_gpu_mem_bytes") or ((s.get("peak_gpu_mem_mib") or 0) * 2**20) or None
+        reserved = s.get("peak_gpu_reserved_bytes")
         share = lambda k: (mfu.get(k) or {}).get("mfu") if isinstance(mfu.get(k), dict) else mfu.get(k)  # noqa: E731
         pct = lambda x: f"{100 * x:.1f} %" if isinstance(x, (int, float)) else "–"  # noqa: E731
         rows.append("| " + " | ".join([
@@ -176,7 +177,7 @@ def layout_table(results: List[Dict[str, Any]]) -> str:
             f"{pct((phases.get('target') or {}).get('mfu_in_interval'))} / "
             f"{pct((phases.get('drafter') or {}).get('mfu_in_interval'))}",
             fmt(s.get("gpu_util_pct")), fmt(((tp.get("window") or {}).get("host_cpu_per_s")), 2),
-            fmt(peak / 2**20 if peak else None),
+            f"{fmt(peak / 2**20 if peak else None)} / {fmt(reserved / 2**20 if reserved else None)}",
             f"{fmt(s.get('tau_initial'), 2)} → {fmt(s.get('tau_final'), 2)}", agreement_text(r.get("losses")),
             fmt((s.get("compile") or {}).get("unique_graphs")), fmt((s.get("errors") or {}).get("total")),
             r.get("cache", "–"),
@@ -328,6 +329,14 @@ def compare_layouts(preset: str, pairs: List[Tuple[int, int]], base: List[str], 
     return results
 
 
+def parse_variant(spec: str) -> Tuple[str, List[str]]:
+    """``LABEL=FLAGS`` -> (" LABEL", [flags]) for ``compare_layouts``."""
+    label, sep, flags = spec.partition("=")
+    if not sep or not label.strip():
+        raise SystemExit(f"--variant {spec!r}: expected LABEL=FLAGS, e.g. 'sms66=--target-sms 66'")
+    return " " + label.strip(), shlex.split(flags)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="cpu-tiny", help="trainer preset")
@@ -337,6 +346,10 @@ def main() -> int:
     p.add_argument("--threads", help="layouts: T+D pairs for the threaded runs, e.g. 1+1,3+2,5+3 (default: the "
                                      "preset's)")
     p.add_argument("--extra", default="", help="more trainer flags, one quoted string")
+    p.add_argument("--variant", action="append", default=[], metavar="LABEL=FLAGS",
+                   help="layouts: also run each threaded T+D with these trainer flags (one quoted string), "
+                        "labelled 'threaded T+D LABEL', against the same sequential run; repeatable, e.g. "
+                        "--variant 'sms66=--target-sms 66'")
     p.add_argument("--timeout", type=float, default=1800, help="per-run wall limit (s): exceeding it = hung")
     p.add_argument("--budget", type=float, help="wall limit over all runs (s); runs that do not fit are skipped")
     p.add_argument("--hang-timeout", type=float, default=600, help="passed to the trainer's watchdog")
@@ -380,7 +393,9 @@ def main() -> int:
 
         preset = PRESETS.get(a.preset, {})
         pairs = parse_threads(a.threads or f"{preset.get('target_threads', 1)}+{preset.get('drafter_threads', 1)}")
-        results = compare_layouts(a.preset, pairs, base, env, work, a.timeout, budget, cache, loss_tol=a.loss_tol)
+        variants = [("", [])] + [parse_variant(v) for v in a.variant]
+        results = compare_layouts(a.preset, pairs, base, env, work, a.timeout, budget, cache, variants=variants,
+                                  loss_tol=a.loss_tol)
         md = title + layout_table(results) + "\n"
         differ = [r for r in results if r.get("losses") and not r["losses"]["agree"]]
         for r in differ:

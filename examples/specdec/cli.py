@@ -80,6 +80,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="threads training a drafter replica each; the sequential layout trains on as many batches "
                         "per step, so both layouts see the same data")
     g.add_argument("--queue-size", type=int, help="bound of each drafter's input queue (back-pressure)")
+    g.add_argument("--run-ahead", type=int, metavar="N",
+                   help="threaded layout on CUDA: a drafter thread issues at most N batches more than its stream "
+                        "has finished, each of which keeps its hand-off tensors allocated (4 on cuda-small: a "
+                        "quarter of the memory at the same speed, but each waiting thread spins a core; default: "
+                        "no bound, until CUDA's launch queue is full)")
     g.add_argument("--torch-threads", type=int, default=None,
                    help="torch intra-op threads (default 1 when a device is the CPU: the worker threads are the "
                         "parallelism)")
@@ -130,6 +135,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "higher scheduling priority, so that on a shared GPU the other part's kernels take the "
                         "SMs the first part leaves idle (default: target in the cuda-small and multi-gpu presets, "
                         "none otherwise)")
+    g.add_argument("--target-sms", type=int, metavar="N",
+                   help="threaded layout on CUDA: the target threads' streams run their kernels on one fixed set of "
+                        "N SMs of their GPU (a CUDA green context; torch built with CUDA >= 12.8), leaving the "
+                        "drafters the rest at all times (default: all SMs; on multi-gpu it changed no throughput, "
+                        "docs/trainer.md)")
     g.add_argument("--step-graphs", action=argparse.BooleanOptionalAction,
                    help="CUDA only: capture each target forward, each drafter forward+backward and each optimizer "
                         "update as one CUDA graph (by hand, after two eager steps) and replay it: almost no "
@@ -256,6 +266,15 @@ def validate(args: argparse.Namespace) -> Optional[str]:
                         f"or --no-step-graphs)")
         if not args.streams:
             return "--step-graphs needs --streams (a CUDA graph cannot be captured on the default stream)"
+    if args.run_ahead is not None and args.run_ahead < 1:
+        return f"--run-ahead must be at least 1 (got {args.run_ahead})"
+    if args.target_sms is not None:
+        if args.target_sms < 1:
+            return f"--target-sms must be at least 1 (got {args.target_sms})"
+        if args.layout != "threaded" or not args.streams:
+            return "--target-sms needs the threaded layout with --streams (the SM partition is a stream's)"
+        if device_list(args.devices)[:1] == ["cpu"]:  # "auto": trainer.check_devices
+            return f"--target-sms needs CUDA devices (--devices {args.devices})"
     if args.seq_len < args.ttt_steps + 2:
         return f"--seq-len {args.seq_len} is too short for --ttt-steps {args.ttt_steps} (needs at least k + 2)"
     spec = args.devices

@@ -48,18 +48,74 @@ class Stopped(Exception):
     """Raised inside a worker when the shared stop event is set (not an error)."""
 
 
+_green: Dict[Tuple[int, int], Any] = {}  # (device index, SMs) -> green context; kept for the process's lifetime
+
+
+def sm_limit_problem(device: torch.device, num_sms: int) -> Optional[str]:
+    """Why ``partition_stream(device, num_sms)`` cannot work here (one line), or None."""
+    from torch.cuda import green_contexts
+
+    if not getattr(green_contexts, "SUPPORTED", False):
+        return f"SM partitions need CUDA green contexts, which torch {torch.__version__} was built without"
+    total = torch.cuda.get_device_properties(device).multi_processor_count
+    if not 1 <= num_sms < total:
+        return f"SM count {num_sms} is not in [1, {total}) for {device} ({total} SMs)"
+    return None
+
+
+def _no_or_true(method: Callable[..., Any]) -> None:
+    try:
+        method()
+    except TypeError:
+        method(True)
+
+
+def partition_stream(device: torch.device, num_sms: int, priority: int) -> "torch.cuda.Stream":
+    """A new stream of ``device`` whose kernels (CUDA graphs replayed on it included) run on the same ``num_sms``
+    SMs, however many such streams there are: a CUDA green context (driver-side SM partition; the driver may round
+    the count up to its granularity). torch's ``GreenContext.Stream()`` takes no priority, so the stream is
+    created with the driver call while the green context is current."""
+    import ctypes
+
+    from torch.cuda import green_contexts
+
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (index, num_sms)
+    if key not in _green:
+        _green[key] = green_contexts.GreenContext.create(num_sms=num_sms, device_id=index)
+    ctx = _green[key]
+    libcuda = ctypes.CDLL("libcuda.so.1")
+    handle = ctypes.c_void_p()
+    with torch.cuda.device(index):
+        _no_or_true(ctx.set_context)  # some releases require the "order the current stream first" argument
+        try:
+            # flags 1 = CU_STREAM_NON_BLOCKING, as torch's own streams (no implicit sync with the legacy stream)
+            rc = libcuda.cuStreamCreateWithPriority(ctypes.byref(handle), ctypes.c_uint(1), ctypes.c_int(priority))
+        finally:
+            _no_or_true(ctx.pop_context)
+    if rc != 0:
+        raise RuntimeError(f"cuStreamCreateWithPriority in a green context of {num_sms} SMs failed (CUresult {rc})")
+    return torch.cuda.ExternalStream(handle.value, device=torch.device("cuda", index))
+
+
 class Lane:
     """A worker thread's device and stream; ``high_priority``: the stream gets a higher scheduling priority than
     the default (the CUDA scheduler starts blocks of higher-priority streams first when SMs free up; a CUDA graph
-    replayed on the stream runs at its priority)."""
+    replayed on the stream runs at its priority). ``num_sms``: the stream's kernels run on a fixed set of that
+    many SMs (``partition_stream``), shared by every lane given the same count on the device."""
 
-    def __init__(self, device: torch.device, streams: bool, high_priority: bool = False) -> None:
+    def __init__(self, device: torch.device, streams: bool, high_priority: bool = False,
+                 num_sms: Optional[int] = None) -> None:
         self.device = device
         self.cuda = device.type == "cuda"
         self.stream = None
         if self.cuda and streams:
             # Lower is higher; torch maps a value past the device's range to its nearest valid priority.
-            self.stream = torch.cuda.Stream(device=device, priority=-1 if high_priority else 0)
+            priority = -1 if high_priority else 0
+            if num_sms:
+                self.stream = partition_stream(device, num_sms, priority)
+            else:
+                self.stream = torch.cuda.Stream(device=device, priority=priority)
         self._helpers: Dict[int, "torch.cuda.Stream"] = {}
         # (event, tensors): tensors used by a stream of this lane, kept alive until the event (recorded after their
         # last use was issued) has completed. Events complete in stream order, so the oldest is checked first.
@@ -126,6 +182,19 @@ class Lane:
         stream has finished with; nothing here waits."""
         if self.stream is not None:
             self._hold(tensors, self.stream)
+
+    def bound_run_ahead(self, limit: int) -> None:
+        """Wait (for events of this lane, not the device) until at most ``limit`` earlier ``release``s are still
+        pending on the GPU. Nothing else stops a thread from issuing work far ahead of its stream: with CUDA graphs
+        a batch costs the host little, so a drafter thread runs until CUDA's launch queue is full, hundreds of
+        batches ahead, and every one of them keeps its hand-off tensors allocated. Measured (docs/trainer.md,
+        ``cuda-small`` 4 + 4 on an H200, limit 4): peak memory 9,360 -> 2,295 MiB allocated, 11,594 -> 3,246 MiB reserved,
+        same throughput; but the wait spins (``cudaEventSynchronize``), a core per waiting thread (host CPU 1.6 ->
+        3.8 s/s), and a blocking wait cost 7 % throughput, so the trainer bounds only on request
+        (``--run-ahead``). Call it outside ``--host-lock``: it can block."""
+        while len(self._held) > limit:
+            self._held[0][0].synchronize()  # first wait, then drop: the tensors stay referenced until then
+            self._held.popleft()
 
     def _hold(self, tensors: Sequence[torch.Tensor], stream: "torch.cuda.Stream") -> None:
         ev = torch.cuda.Event()

@@ -28,28 +28,35 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import checkpoint, cli, data as data_mod, flops, graphs, masks, metrics, models
+from . import checkpoint, cli, data as data_mod, flops, graphs, masks, metrics, models, runtime
 from .runtime import Lane, PhaseTimer, Reducer, Run, StatsLog, worker
 
 
 # ------------------------------------------------------------------------------------------------- devices
 def check_devices(args: argparse.Namespace) -> Optional[str]:
-    """CUDA requested but not there, or a GPU index that does not exist: one line, or None."""
+    """CUDA requested but not there, a GPU index that does not exist, or an SM partition the GPU cannot make: one
+    line, or None."""
     spec = args.devices
     entries = cli.device_list(spec)
-    if args.step_graphs and spec == "auto" and not torch.cuda.is_available():
-        return f"--step-graphs needs CUDA, and --devices auto found none (torch {torch.__version__})"
-    if spec == "auto" or not any(e.startswith("cuda") for e in entries):
-        return None
-    preset = f" (preset {args.preset})" if args.preset else ""
-    if not torch.cuda.is_available():
-        why = "this torch build has no CUDA" if torch.version.cuda is None else "no GPU is visible"
-        return (f"--devices {spec}{preset} needs CUDA, but {why} (torch {torch.__version__}); "
-                f"use --devices cpu or --preset cpu-tiny")
-    n = torch.cuda.device_count()
-    for e in entries:
-        if ":" in e and int(e.split(":")[1]) >= n:
-            return f"--devices {spec}: {e} does not exist ({n} GPU(s) visible)"
+    if spec == "auto" and not torch.cuda.is_available():
+        for flag, wanted in (("--step-graphs", args.step_graphs), ("--target-sms", args.target_sms)):
+            if wanted:
+                return f"{flag} needs CUDA, and --devices auto found none (torch {torch.__version__})"
+    if spec != "auto" and any(e.startswith("cuda") for e in entries):
+        preset = f" (preset {args.preset})" if args.preset else ""
+        if not torch.cuda.is_available():
+            why = "this torch build has no CUDA" if torch.version.cuda is None else "no GPU is visible"
+            return (f"--devices {spec}{preset} needs CUDA, but {why} (torch {torch.__version__}); "
+                    f"use --devices cpu or --preset cpu-tiny")
+        n = torch.cuda.device_count()
+        for e in entries:
+            if ":" in e and int(e.split(":")[1]) >= n:
+                return f"--devices {spec}: {e} does not exist ({n} GPU(s) visible)"
+    if args.target_sms:
+        for dev in dict.fromkeys(d for d in parse_devices(spec) if d.type == "cuda"):
+            problem = runtime.sm_limit_problem(dev, args.target_sms)
+            if problem:
+                return f"--target-sms {args.target_sms}: {problem}"
     return None
 
 
@@ -507,6 +514,8 @@ def run_training(args: argparse.Namespace) -> int:
                     rep.forward_backward(run, feats, first=True)
                     rep.lane.release(feats)  # referenced until this stream has read them (not record_stream)
                     del feats
+                if args.run_ahead:
+                    rep.lane.bound_run_ahead(args.run_ahead)
                 rep.update(run, d, s, lr_at(args, s))
                 timer.stop("drafter", s + 1, started)
                 run.throughput.add("drafter", tokens_per_batch)
@@ -540,7 +549,7 @@ def run_training(args: argparse.Namespace) -> int:
                     run.last_progress = time.monotonic()
 
     if args.layout == "threaded":
-        t_lanes = [Lane(dev, args.streams, args.stream_priority == "target") for dev in t_dev]
+        t_lanes = [Lane(dev, args.streams, args.stream_priority == "target", args.target_sms) for dev in t_dev]
         queues = [queue.Queue(maxsize=args.queue_size) for _ in range(D)]
         threads = [worker(run, f"target-{j}@{t_dev[j]}", lambda j=j: target_loop(j)) for j in range(T)]
         threads += [worker(run, f"drafter-{d}@{d_dev[d]}", lambda d=d: drafter_loop(d)) for d in range(D)]
@@ -579,9 +588,10 @@ def run_training(args: argparse.Namespace) -> int:
             kept = (str(out / f"ckpt-{saved['step']:06d}"), saved["step"])
     checksum = float(sum(p.detach().double().sum().cpu() for p in leader.model.parameters())) if sync_error is None else float("nan")
     emit_line(f"PARAM_CHECKSUM rank={rank} {checksum:.10e}")
-    peak = None
-    if cuda:
+    peak = peak_reserved = None
+    if cuda:  # allocated: tensors alive; reserved: what the caching allocator holds from the driver
         peak = sum(torch.cuda.max_memory_allocated(d) for d in dict.fromkeys(devices))
+        peak_reserved = sum(torch.cuda.max_memory_reserved(d) for d in dict.fromkeys(devices))
     tp = run.throughput.summary()
     gpus = len({d for d in list(t_dev) + list(d_dev) if d.type == "cuda"})
     peak_t = {kind: (args.peak_tflops or (flops.peak_tflops(torch.cuda.get_device_name(devices[0]), bf16) if cuda else None))
@@ -609,7 +619,8 @@ def run_training(args: argparse.Namespace) -> int:
         "compile": metrics.compile_counts(),
         "errors": {"total": run.errors.total(), "counted": dict(run.errors.counts), "first": run.errors.first,
                    "first_line": one_line(first) if first is not None else None},
-        "checkpoint_kept": kept[0] if kept else None, "hung": False, "peak_gpu_mem_bytes": peak, "param_checksum": checksum,
+        "checkpoint_kept": kept[0] if kept else None, "hung": False, "peak_gpu_mem_bytes": peak,
+        "peak_gpu_reserved_bytes": peak_reserved, "param_checksum": checksum,
         "ttc_disable_env": os.environ.get("TTC_DISABLE"), "ttc": metrics.ttc_status(),
         "torch": torch.__version__, "wall_s": round(time.monotonic() - run.throughput.start, 2),
         "config": {k_: v for k_, v in vars(args).items()},

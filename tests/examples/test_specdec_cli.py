@@ -71,6 +71,11 @@ def assert_one_line(proc: subprocess.CompletedProcess, *needles: str) -> None:
     (["--step-graphs", "--devices", "cuda:0", "--no-streams"], "--step-graphs needs --streams"),
     (["--step-graphs", "--devices", "cuda:0", "--drafter-compile-mode", "reduce-overhead"],
      "--drafter-compile-mode reduce-overhead would nest them"),
+    (["--run-ahead", "0"], "--run-ahead must be at least 1 (got 0)"),
+    (["--target-sms", "0"], "--target-sms must be at least 1 (got 0)"),
+    (["--target-sms", "16", "--layout", "sequential"], "--target-sms needs the threaded layout"),
+    (["--target-sms", "16", "--devices", "cuda:0", "--no-streams"], "--target-sms needs the threaded layout"),
+    (["--target-sms", "16"], "--target-sms needs CUDA devices"),
 ])
 def test_bad_argument(args: List[str], needle: str) -> None:
     assert_one_line(bad_run(["--preset", "cpu-tiny", *args]), needle)
@@ -104,8 +109,9 @@ def test_cuda_requested_without_cuda(args: List[str]) -> None:
 
 
 @pytest.mark.skipif(cuda_available(), reason="this machine has CUDA")
-def test_step_graphs_with_auto_devices_without_cuda() -> None:
-    assert_one_line(bad_run(["--preset", "cpu-tiny", "--devices", "auto", "--step-graphs"]), "--step-graphs needs CUDA")
+@pytest.mark.parametrize("flag", [["--step-graphs"], ["--target-sms", "16"]])
+def test_cuda_only_flag_with_auto_devices_without_cuda(flag: List[str]) -> None:
+    assert_one_line(bad_run(["--preset", "cpu-tiny", "--devices", "auto", *flag]), f"{flag[0]} needs CUDA")
 
 
 def test_no_ttc_bad_argument_still_one_line() -> None:
