@@ -80,11 +80,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="threads training a drafter replica each; the sequential layout trains on as many batches "
                         "per step, so both layouts see the same data")
     g.add_argument("--queue-size", type=int, help="bound of each drafter's input queue (back-pressure)")
-    g.add_argument("--run-ahead", type=int, metavar="N",
-                   help="threaded layout on CUDA: a drafter thread issues at most N batches more than its stream "
-                        "has finished, each of which keeps its hand-off tensors allocated (4 on cuda-small: a "
-                        "quarter of the memory at the same speed, but each waiting thread spins a core; default: "
-                        "no bound, until CUDA's launch queue is full)")
     g.add_argument("--torch-threads", type=int, default=None,
                    help="torch intra-op threads (default 1 when a device is the CPU: the worker threads are the "
                         "parallelism)")
@@ -266,8 +261,6 @@ def validate(args: argparse.Namespace) -> Optional[str]:
                         f"or --no-step-graphs)")
         if not args.streams:
             return "--step-graphs needs --streams (a CUDA graph cannot be captured on the default stream)"
-    if args.run_ahead is not None and args.run_ahead < 1:
-        return f"--run-ahead must be at least 1 (got {args.run_ahead})"
     if args.target_sms is not None:
         if args.target_sms < 1:
             return f"--target-sms must be at least 1 (got {args.target_sms})"

@@ -183,19 +183,6 @@ class Lane:
         if self.stream is not None:
             self._hold(tensors, self.stream)
 
-    def bound_run_ahead(self, limit: int) -> None:
-        """Wait (for events of this lane, not the device) until at most ``limit`` earlier ``release``s are still
-        pending on the GPU. Nothing else stops a thread from issuing work far ahead of its stream: with CUDA graphs
-        a batch costs the host little, so a drafter thread runs until CUDA's launch queue is full, hundreds of
-        batches ahead, and every one of them keeps its hand-off tensors allocated. Measured (docs/trainer.md,
-        ``cuda-small`` 4 + 4 on an H200, limit 4): peak memory 9,360 -> 2,295 MiB allocated, 11,594 -> 3,246 MiB reserved,
-        same throughput; but the wait spins (``cudaEventSynchronize``), a core per waiting thread (host CPU 1.6 ->
-        3.8 s/s), and a blocking wait cost 7 % throughput, so the trainer bounds only on request
-        (``--run-ahead``). Call it outside ``--host-lock``: it can block."""
-        while len(self._held) > limit:
-            self._held[0][0].synchronize()  # first wait, then drop: the tensors stay referenced until then
-            self._held.popleft()
-
     def _hold(self, tensors: Sequence[torch.Tensor], stream: "torch.cuda.Stream") -> None:
         ev = torch.cuda.Event()
         ev.record(stream)

@@ -514,8 +514,6 @@ def run_training(args: argparse.Namespace) -> int:
                     rep.forward_backward(run, feats, first=True)
                     rep.lane.release(feats)  # referenced until this stream has read them (not record_stream)
                     del feats
-                if args.run_ahead:
-                    rep.lane.bound_run_ahead(args.run_ahead)
                 rep.update(run, d, s, lr_at(args, s))
                 timer.stop("drafter", s + 1, started)
                 run.throughput.add("drafter", tokens_per_batch)

@@ -71,7 +71,6 @@ def assert_one_line(proc: subprocess.CompletedProcess, *needles: str) -> None:
     (["--step-graphs", "--devices", "cuda:0", "--no-streams"], "--step-graphs needs --streams"),
     (["--step-graphs", "--devices", "cuda:0", "--drafter-compile-mode", "reduce-overhead"],
      "--drafter-compile-mode reduce-overhead would nest them"),
-    (["--run-ahead", "0"], "--run-ahead must be at least 1 (got 0)"),
     (["--target-sms", "0"], "--target-sms must be at least 1 (got 0)"),
     (["--target-sms", "16", "--layout", "sequential"], "--target-sms needs the threaded layout"),
     (["--target-sms", "16", "--devices", "cuda:0", "--no-streams"], "--target-sms needs the threaded layout"),

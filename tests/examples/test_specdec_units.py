@@ -579,26 +579,3 @@ def test_target_sms_stream_runs_eager_compiled_and_graphed_work() -> None:
     lane.stream.synchronize()
     for got in (eager, comp, static):
         torch.testing.assert_close(got, expected, rtol=1e-2, atol=1e-2)  # TF32 if another test set it
-
-
-def test_bound_run_ahead_waits_for_the_oldest_release_before_dropping_it() -> None:
-    """Lane.bound_run_ahead(n): releases beyond the newest n are waited for, oldest first, and their tensors are
-    dropped only after their event completed (a stand-in event on the CPU)."""
-    from specdec.runtime import Lane
-
-    lane = Lane(torch.device("cpu"), streams=False)
-    log: list = []
-
-    class Ev:
-        def __init__(self, i: int) -> None:
-            self.i = i
-
-        def synchronize(self) -> None:
-            log.append((self.i, [i for _, (i,) in lane._held]))  # what was still held when it was waited for
-
-    lane._held.extend((Ev(i), (i,)) for i in range(5))
-    lane.bound_run_ahead(2)
-    assert log == [(0, [0, 1, 2, 3, 4]), (1, [1, 2, 3, 4]), (2, [2, 3, 4])]
-    assert [t for _, (t,) in lane._held] == [3, 4]
-    lane.bound_run_ahead(2)
-    assert len(log) == 3
