@@ -16,6 +16,7 @@ watchdog, exit 3, is reported as hung):
 
     python bench/bench_trainer.py --preset cuda-small --steps 120
     python bench/bench_trainer.py --preset multi-gpu --steps 60 --threads 1+1,3+2,5+3 --md bench.md --json bench.json
+    python bench/bench_trainer.py --preset multi-gpu --steps 200 --threads 5+3 --variant 'sms44=--target-sms 44'
     python bench/bench_trainer.py --preset cuda-small --compare ttc --steps 150
 """
 from __future__ import annotations

@@ -217,19 +217,23 @@ def test_sequential_layout_matches_threaded(tmp_path: Path) -> None:
 
 
 def test_bench_compares_layouts(tmp_path: Path) -> None:
-    """bench/bench_trainer.py runs the sequential baseline and the threaded layout back to back and reports both."""
+    """bench/bench_trainer.py runs the sequential baseline and the threaded layout back to back and reports both;
+    a --variant adds a threaded run with more flags, compared with the same sequential run."""
     extra = " ".join(TINY + ["--compile-backend", "aot_eager"])
     cmd = [sys.executable, str(ROOT / "bench" / "bench_trainer.py"), "--preset", "cpu-tiny", "--steps", "6",
            "--threads", "1+1", "--extra", extra, "--cache", "user", "--timeout", "200", "--work-dir", str(tmp_path),
-           "--json", str(tmp_path / "bench.json")]
+           "--json", str(tmp_path / "bench.json"), "--variant", "locked=--host-lock"]
     proc = subprocess.run(cmd, cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=420)
     assert proc.returncode == 0, explain(proc)
     assert "| sequential ×1 | ok |" in proc.stdout and "| threaded 1+1 | ok |" in proc.stdout, proc.stdout
+    assert "| threaded 1+1 locked | ok |" in proc.stdout, proc.stdout
     results = json.loads((tmp_path / "bench.json").read_text())
-    assert [r["layout"] for r in results] == ["sequential", "threaded"]
-    assert results[1]["ratio_value"] and results[1]["ratio_value"] > 0
-    # Same batches, same averaged gradients: the bench checks that both runs trained the same thing.
-    assert results[1]["losses"]["agree"] and results[1]["losses"]["steps"] == 6, results[1]["losses"]
+    assert [r["layout"] for r in results] == ["sequential", "threaded", "threaded"]
+    assert results[2]["summary"]["config"]["host_lock"] and not results[1]["summary"]["config"]["host_lock"]
+    for r in results[1:]:
+        assert r["ratio_value"] and r["ratio_value"] > 0
+        # Same batches, same averaged gradients: the bench checks that both runs trained the same thing.
+        assert r["losses"]["agree"] and r["losses"]["steps"] == 6, r["losses"]
     assert "same (mean Δ" in proc.stdout, proc.stdout
 
 
@@ -259,6 +263,9 @@ def test_bench_flags_layouts_that_train_differently(tmp_path: Path) -> None:
     assert ag_nan is not None and ag_nan["first_over_tol"] == 2 and ag_nan["max_at"] == 2
     assert bench_trainer.loss_agreement(seq, bench_trainer.train_losses(str(tmp_path / "missing")), 0.02) is None
     assert bench_trainer.agreement_text(None) == "–"
+    assert bench_trainer.parse_variant("sms44=--target-sms 44") == (" sms44", ["--target-sms", "44"])
+    with pytest.raises(SystemExit, match="expected LABEL=FLAGS"):
+        bench_trainer.parse_variant("--host-lock")
     # Over longer runs the criterion is a mean over a window of steps: CUDA's rounding gives isolated steps a few
     # hundredths apart (measured: up to 0.036 between two runs of one command) and that is not a departure; a
     # difference that stays (a race: 0.1 and more from some step on) is, from the step where it starts.
