@@ -53,17 +53,27 @@ _green: Dict[Tuple[int, int], Any] = {}  # (device index, SMs) -> green context;
 
 def sm_limit_problem(device: torch.device, num_sms: int) -> Optional[str]:
     """Why ``partition_stream(device, num_sms)`` cannot work here (one line), or None."""
-    from torch.cuda import green_contexts
+    import ctypes
 
+    try:
+        from torch.cuda import green_contexts
+    except ImportError:  # torch < 2.10
+        green_contexts = None
     if not getattr(green_contexts, "SUPPORTED", False):
         return f"SM partitions need CUDA green contexts, which torch {torch.__version__} was built without"
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError as e:
+        return f"SM partitions create their streams through the CUDA driver library: {e}"
     total = torch.cuda.get_device_properties(device).multi_processor_count
     if not 1 <= num_sms < total:
         return f"SM count {num_sms} is not in [1, {total}) for {device} ({total} SMs)"
     return None
 
 
-def _no_or_true(method: Callable[..., Any]) -> None:
+def _call_compat(method: Callable[..., Any]) -> None:
+    """``GreenContext.set_context``/``pop_context``: without arguments, or, in releases where their "order the
+    streams" flag has no default, with it set (what the others default to)."""
     try:
         method()
     except TypeError:
@@ -87,12 +97,12 @@ def partition_stream(device: torch.device, num_sms: int, priority: int) -> "torc
     libcuda = ctypes.CDLL("libcuda.so.1")
     handle = ctypes.c_void_p()
     with torch.cuda.device(index):
-        _no_or_true(ctx.set_context)  # some releases require the "order the current stream first" argument
+        _call_compat(ctx.set_context)
         try:
             # flags 1 = CU_STREAM_NON_BLOCKING, as torch's own streams (no implicit sync with the legacy stream)
             rc = libcuda.cuStreamCreateWithPriority(ctypes.byref(handle), ctypes.c_uint(1), ctypes.c_int(priority))
         finally:
-            _no_or_true(ctx.pop_context)
+            _call_compat(ctx.pop_context)
     if rc != 0:
         raise RuntimeError(f"cuStreamCreateWithPriority in a green context of {num_sms} SMs failed (CUresult {rc})")
     return torch.cuda.ExternalStream(handle.value, device=torch.device("cuda", index))
