@@ -542,9 +542,9 @@ def test_machine_read_lines_are_one_write(monkeypatch: pytest.MonkeyPatch) -> No
 
 
 def _green_contexts() -> bool:
-    from torch.cuda import green_contexts
+    from specdec.runtime import sm_limit_problem  # the trainer's own check: torch build, driver library, SM count
 
-    return torch.cuda.is_available() and bool(getattr(green_contexts, "SUPPORTED", False))
+    return torch.cuda.is_available() and sm_limit_problem(torch.device("cuda"), 1) is None
 
 
 @pytest.mark.skipif(not _green_contexts(), reason="needs a GPU and torch built with CUDA green contexts")
