@@ -280,19 +280,18 @@ class Reducer:
             self.total = torch.empty_like(parked[0][0])
             if all(t.device == self.total.device for t, _ in parked):
                 self._make_graph(self._sum_local, lane)
+        # Every other thread's event first, before ``total`` is written: each was recorded after that thread's
+        # copy of the previous step's result out of ``total`` (``copy_into``), which its stream may not have run
+        # yet. (Waiting only before each ``add_`` let the leader's first write overwrite a result that a lagging
+        # stream had still to read.)
+        for _, ev in parked[1:]:
+            lane.wait(ev)
         if self.graph is not None:
-            for _, ev in parked[1:]:
-                lane.wait(ev)
             self.graph()
             return
-        for j, (t, ev) in enumerate(parked):
-            if j == 0:
-                self.total.copy_(t)
-            elif t.device == self.total.device:
-                lane.wait(ev)
-                self.total.add_(t)
-            else:
-                self.total.add_(lane.fetch([t], ev)[0])
+        self.total.copy_(parked[0][0])
+        for t, ev in parked[1:]:
+            self.total.add_(t if t.device == self.total.device else lane.fetch([t], ev)[0])
         self._finish(self.total)
 
     def __call__(self, idx: int, flat: torch.Tensor, lane: Lane) -> None:

@@ -365,6 +365,62 @@ def test_reducer_as_step_graph_averages_and_clips_like_eager() -> None:
         assert not torch.equal(eager[i][0], eager[i][-1])  # new gradients every step, not one replay repeated
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs streams of a GPU")
+def test_eager_reducer_waits_for_every_read_of_the_last_result_before_the_next_sum() -> None:
+    """``--no-step-graphs`` with several drafter threads: a thread copies the step's average out of the leader's
+    ``total`` on its own stream; the leader's next sum must not overwrite ``total`` before that copy has run.
+    Thread 1's stream is held back (a sleep before its first copy), so its copy runs long after the leader has
+    started the next step; it must still read the first step's average (1 + 2), not the leader's next gradient
+    (10). Fails if the leader writes ``total`` before waiting for the other threads' events."""
+    import threading
+
+    from specdec import graphs
+    from specdec.runtime import Lane, Reducer
+
+    dev = torch.device("cuda:0")
+
+    class LaggingLane(Lane):
+        lag = False
+
+        def copy_into(self, dst: torch.Tensor, src: torch.Tensor, ev) -> None:
+            if self.lag:
+                self.lag = False
+                torch.cuda._sleep(1_000_000_000)  # about half a second on this stream only
+            super().copy_into(dst, src, ev)
+
+    def run(lag: bool) -> list:
+        reducer = Reducer(2, 1, 1, lambda total: None, graph=False)
+        lanes = [Lane(dev, True), LaggingLane(dev, True)]
+        lanes[1].lag = lag
+        flats = [torch.zeros(4, device=dev) for _ in range(2)]
+        seen: list = [[], []]
+        errors: list = []
+
+        def worker(i: int) -> None:
+            try:
+                with lanes[i].context():
+                    for grad in ((1.0, 2.0), (10.0, 20.0)):
+                        flats[i].fill_(grad[i])
+                        reducer(i, flats[i], lanes[i])
+                        seen[i].append(flats[i].clone())
+            except BaseException as e:  # noqa: BLE001 - reported below; the abort frees the other thread
+                errors.append(e)
+                reducer.abort()
+
+        threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        assert not any(t.is_alive() for t in threads), "reducer threads still running after 60 s"
+        assert not errors, errors[0]
+        graphs.synchronize([dev])
+        return [[float(x[0]) for x in per_thread] for per_thread in seen]
+
+    run(lag=False)  # first launches of every kernel (a module load waits for the whole GPU)
+    assert run(lag=True) == [[3.0, 30.0], [3.0, 30.0]]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("keep", ["record_stream", "Lane.release"])
 def test_handoff_outlives_another_threads_capture(keep: str) -> None:
