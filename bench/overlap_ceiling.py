@@ -31,11 +31,10 @@ measure time).
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import sys
 from pathlib import Path
-from typing import Callable, List, Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -46,26 +45,14 @@ from specdec.runtime import Lane, sm_limit_problem  # noqa: E402
 
 def elapsed_ms(work: Sequence[Callable[[], None]], streams: Sequence["torch.cuda.Stream"]) -> float:
     """Issue ``work[i]`` on ``streams[i]`` (all starting together) and return the GPU time until all are done."""
-    base = torch.cuda.current_stream()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record(base)
-    for s in streams:
-        s.wait_event(start)
-    for fn, s in zip(work, streams):
-        with torch.cuda.stream(s):
-            fn()
-    for s in streams:
-        base.wait_stream(s)
-    end.record(base)
-    end.synchronize()
-    return start.elapsed_time(end)
+    return interleaved([lambda i, fn=fn: fn() for fn in work], streams, [1] * len(work))
 
 
 def interleaved(work: Sequence[Callable[[int], None]], streams: Sequence["torch.cuda.Stream"], counts: Sequence[int]
                 ) -> float:
-    """Like ``elapsed_ms``, but each stream's ``counts[i]`` replays are issued round robin across the streams
-    (one replay per stream in turn), so no stream's queue is filled long before another's."""
+    """Call ``work[i](j)`` on ``streams[i]`` for j < ``counts[i]`` (all streams starting together), round robin
+    across the streams (one call per stream in turn, so no stream's queue is filled long before another's), and
+    return the GPU time until all are done."""
     base = torch.cuda.current_stream()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -116,7 +103,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"overlap_ceiling.py: {problem}", file=sys.stderr)
             return 2
     # Graphs for the largest counts; each configuration replays the first T and D of them.
-    T, D, k = max(t for t, _ in configs), max(d for _, d in configs), args.ttt_steps
+    T, D = max(t for t, _ in configs), max(d for _, d in configs)
     dev = torch.device("cuda:0")
     torch.set_float32_matmul_precision("high")
     masks.BUILDER = args.mask_builder
@@ -138,16 +125,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     # own (a graph captured on a --target-sms stream keeps that partition wherever it is replayed).
     calls.append(trainer.TargetCall(args, target_fn, d_lanes[0]))
     t_lanes = t_lanes + [d_lanes[0]]
-    torch.manual_seed(args.seed + 1)
-    buffer_dtype = torch.bfloat16 if args.autocast == "bf16" else torch.float32
-    proto = models.Drafter(dcfg, target.input_embedding(), target.output_embedding(), buffer_dtype)
+    proto = trainer.drafter_prototype(args, target, dcfg)
     loss_fn = trainer.maybe_compile(args, models.ttt_loss, args.drafter_compile_mode)
-    reps: List[trainer.Replica] = []
-    for lane in d_lanes:
-        model = copy.deepcopy(proto).to(dev)
-        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, fused=True,
-                                capturable=True)
-        reps.append(trainer.Replica(model, opt, lane, k, args, loss_fn))
+    reps = [trainer.make_replica(args, proto, lane, loss_fn) for lane in d_lanes]
     torch.cuda.synchronize()
 
     packed = [trainer.upload(data.batch(i), t_lanes[0], True) for i in range(len(calls))]

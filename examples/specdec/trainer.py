@@ -111,6 +111,25 @@ def drafter_config(args: argparse.Namespace, target: torch.nn.Module) -> models.
                                 rope_theta=getattr(target, "rope_theta", None) or args.rope_theta)
 
 
+def drafter_prototype(args: argparse.Namespace, target: torch.nn.Module, dcfg: models.DrafterConfig
+                      ) -> models.Drafter:
+    """The drafter every replica copies: one seeded init (global RNG, on the CPU), so replicas are identical."""
+    torch.manual_seed(args.seed + 1)
+    buffer_dtype = torch.bfloat16 if args.autocast == "bf16" else torch.float32
+    return models.Drafter(dcfg, target.input_embedding(), target.output_embedding(), buffer_dtype)
+
+
+def make_replica(args: argparse.Namespace, proto: models.Drafter, lane: Lane, loss_fn: Callable) -> "Replica":
+    """A copy of ``proto`` on the lane's device with its AdamW (fused on CUDA unless ``--no-fused-optimizer``;
+    capturable with ``--step-graphs``)."""
+    model = copy.deepcopy(proto).to(lane.device)
+    opt_kw: Dict[str, Any] = dict(fused=True) if lane.device.type == "cuda" and args.fused_optimizer else {}
+    if args.step_graphs:
+        opt_kw["capturable"] = True  # step counts on the device: an update that can be replayed
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, **opt_kw)
+    return Replica(model, opt, lane, args.ttt_steps, args, loss_fn)
+
+
 def maybe_compile(args: argparse.Namespace, fn: Callable, mode: str = "default") -> Callable:
     if args.no_compile:
         return fn
@@ -356,21 +375,11 @@ def run_training(args: argparse.Namespace) -> int:
         else:
             target_fns[dev] = maybe_compile(args, fwd, args.target_compile_mode)
 
-    # Identical drafter replicas: one seeded init (global RNG, on the CPU), copied to each thread's device.
-    torch.manual_seed(args.seed + 1)
-    buffer_dtype = torch.bfloat16 if args.autocast == "bf16" else torch.float32
-    proto = models.Drafter(dcfg, target0.input_embedding(), target0.output_embedding(), buffer_dtype)
+    proto = drafter_prototype(args, target0, dcfg)
     threaded = args.layout == "threaded"
     lanes = [Lane(dev, args.streams, threaded and args.stream_priority == "drafter") for dev in d_dev]
-    replicas: List[Replica] = []
     loss_fn = maybe_compile(args, models.ttt_loss, args.drafter_compile_mode)
-    for dev, lane in zip(d_dev, lanes):
-        model = copy.deepcopy(proto).to(dev)
-        opt_kw: Dict[str, Any] = dict(fused=True) if dev.type == "cuda" and args.fused_optimizer else {}
-        if args.step_graphs:
-            opt_kw["capturable"] = True  # step counts on the device: an update that can be replayed
-        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, **opt_kw)
-        replicas.append(Replica(model, opt, lane, k, args, loss_fn))
+    replicas = [make_replica(args, proto, lane, loss_fn) for lane in lanes]
     del proto
     start_step = 0
     if args.resume:

@@ -287,18 +287,12 @@ def test_bench_flags_layouts_that_train_differently(tmp_path: Path) -> None:
 def test_overlap_ceiling_refuses_in_one_line(argv: List[str], rc: int, message: str) -> None:
     """bench/overlap_ceiling.py (the GPU's own limit for the threaded layout) checks its arguments before it builds
     anything, and says in one line that it needs a GPU."""
-    if rc == 1 and _cuda():
+    if rc == 1 and cuda_available():
         pytest.skip("a GPU is present: the probe would run")
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "overlap_ceiling.py"), *argv], cwd=ROOT,
                           env=clean_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == rc, explain(proc)
     assert message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
-
-
-def _cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
 
 
 def test_hang_watchdog() -> None:

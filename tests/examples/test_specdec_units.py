@@ -310,13 +310,37 @@ def test_step_graph_replays_with_new_inputs_and_trains_like_eager() -> None:
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
 
 
+def run_reducer_threads(reducer, lanes: list, body) -> None:
+    """``body(i)`` in one thread per lane, inside the lane's context; a thread's error aborts the reducer (freeing
+    the others) and fails the test, as does a thread still running after 60 s. Synchronises the device after."""
+    import threading
+
+    from specdec import graphs
+
+    errors: list = []
+
+    def worker(i: int) -> None:
+        try:
+            with lanes[i].context():
+                body(i)
+        except BaseException as e:  # noqa: BLE001 - reported below; the abort frees the other threads
+            errors.append(e)
+            reducer.abort()
+
+    threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(len(lanes))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads), "reducer threads still running after 60 s"
+    assert not errors, errors[0]
+    graphs.synchronize([lanes[0].device])
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_reducer_as_step_graph_averages_and_clips_like_eager() -> None:
     """--step-graphs: the leader's sum, average and clipping replayed as one graph give every thread, at every
     step, what the eager reducer gives (three threads on three streams of one GPU, new gradients each step)."""
-    import threading
-
-    from specdec import graphs
     from specdec.runtime import Lane, Reducer
 
     n, size, steps = 3, 1000, 6
@@ -332,28 +356,15 @@ def test_reducer_as_step_graph_averages_and_clips_like_eager() -> None:
         lanes = [Lane(torch.device("cuda:0"), True) for _ in range(n)]
         flats = [torch.zeros(size, device="cuda") for _ in range(n)]
         seen = [[None] * steps for _ in range(n)]
-        errors: list = []
 
-        def worker(i: int) -> None:
-            try:
-                with lanes[i].context():
-                    for s in range(steps):
-                        gen = torch.Generator("cuda").manual_seed(100 * s + i)
-                        flats[i].copy_(torch.randn(size, device="cuda", generator=gen) * (s + 1))
-                        reducer(i, flats[i], lanes[i])
-                        seen[i][s] = flats[i].clone()
-            except BaseException as e:  # noqa: BLE001 - reported below; the abort frees the other threads
-                errors.append(e)
-                reducer.abort()
+        def body(i: int) -> None:
+            for s in range(steps):
+                gen = torch.Generator("cuda").manual_seed(100 * s + i)
+                flats[i].copy_(torch.randn(size, device="cuda", generator=gen) * (s + 1))
+                reducer(i, flats[i], lanes[i])
+                seen[i][s] = flats[i].clone()
 
-        threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(n)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=60)
-        assert not any(t.is_alive() for t in threads), "reducer threads still running after 60 s"
-        assert not errors, errors[0]
-        graphs.synchronize([torch.device("cuda:0")])
+        run_reducer_threads(reducer, lanes, body)
         return reducer, seen
 
     eager_reducer, eager = run(graph=False)
@@ -372,9 +383,6 @@ def test_eager_reducer_waits_for_every_read_of_the_last_result_before_the_next_s
     Thread 1's stream is held back (a sleep before its first copy), so its copy runs long after the leader has
     started the next step; it must still read the first step's average (1 + 2), not the leader's next gradient
     (10). Fails if the leader writes ``total`` before waiting for the other threads' events."""
-    import threading
-
-    from specdec import graphs
     from specdec.runtime import Lane, Reducer
 
     dev = torch.device("cuda:0")
@@ -394,27 +402,14 @@ def test_eager_reducer_waits_for_every_read_of_the_last_result_before_the_next_s
         lanes[1].lag = lag
         flats = [torch.zeros(4, device=dev) for _ in range(2)]
         seen: list = [[], []]
-        errors: list = []
 
-        def worker(i: int) -> None:
-            try:
-                with lanes[i].context():
-                    for grad in ((1.0, 2.0), (10.0, 20.0)):
-                        flats[i].fill_(grad[i])
-                        reducer(i, flats[i], lanes[i])
-                        seen[i].append(flats[i].clone())
-            except BaseException as e:  # noqa: BLE001 - reported below; the abort frees the other thread
-                errors.append(e)
-                reducer.abort()
+        def body(i: int) -> None:
+            for grad in ((1.0, 2.0), (10.0, 20.0)):
+                flats[i].fill_(grad[i])
+                reducer(i, flats[i], lanes[i])
+                seen[i].append(flats[i].clone())
 
-        threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=60)
-        assert not any(t.is_alive() for t in threads), "reducer threads still running after 60 s"
-        assert not errors, errors[0]
-        graphs.synchronize([dev])
+        run_reducer_threads(reducer, lanes, body)
         return [[float(x[0]) for x in per_thread] for per_thread in seen]
 
     run(lag=False)  # first launches of every kernel (a module load waits for the whole GPU)
