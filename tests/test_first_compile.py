@@ -203,3 +203,51 @@ print("RESULT " + json.dumps(dict(hung=hung, warm_max=max(warm_times))))
 """)
     assert res["hung"] == 0
     assert res["warm_max"] < 1.0  # a warm call does not wait for the 2 s compile
+
+
+def test_no_compile_lock_where_upstream_takes_none() -> None:
+    """Issue 28 (1), lock order. A lazy backward compile (``.backward()`` after a graph break, so dynamo's
+    callback is active) holds torch's callback lock while the start callbacks run; the frame of a torch
+    function among them reaches the frame callback, which upstream skips without any lock. A compile that
+    holds ``compile_lock`` meanwhile waits for that callback lock. If the callback waited for
+    ``compile_lock`` there, neither thread could move (before the fix: the holder waited out its 10 s)."""
+    res = _run("""
+from torch._dynamo.callback import callback_handler, CallbackTrigger, on_compile_start
+from torch._dynamo import convert_frame
+from torch._dynamo.utils import nothing  # a torch function: upstream skips its frame and takes no lock
+counter_lock = callback_handler._CompilationCallbackHandler__pending_callbacks_counter_lock
+inside = threading.Event()
+
+@torch.compiler.disable
+def pause(args):
+    if args.callback_trigger is CallbackTrigger.LAZY_BACKWARD and not inside.is_set():
+        inside.set()
+        time.sleep(0.5)  # the holder takes compile_lock meanwhile
+
+on_compile_start(pause)
+on_compile_start(nothing)
+
+def g(x):
+    y = (x.sin() * 2).sum()
+    torch._dynamo.graph_break()
+    y.backward()
+    return y.detach()
+f = torch.compile(g, backend="aot_eager")
+res = {}
+def worker():
+    x = torch.randn(8, requires_grad=True)
+    f(x)
+    res["grad_ok"] = bool(torch.allclose(x.grad, 2 * x.detach().cos()))
+def holder():
+    inside.wait(60)
+    with convert_frame.compile_lock:  # as a compile holds it when it enters install_callbacks
+        got = counter_lock.acquire(timeout=10)
+        if got:
+            counter_lock.release()
+        res["callback_lock_taken"] = got
+hung = run_threads([worker, holder], join_s=90)
+print("RESULT " + json.dumps(dict(res, hung=hung)))
+""")
+    assert res["hung"] == 0
+    assert res["callback_lock_taken"] is True
+    assert res["grad_ok"] is True

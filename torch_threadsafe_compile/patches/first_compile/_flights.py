@@ -91,18 +91,29 @@ def land(key: types.CodeType, fl: Flight) -> None:
 
 
 def fly(key: types.CodeType | None, current: Any, compile_fn: Callable[[], Any], lock: Any) -> Any:
-    """Run ``compile_fn`` (dynamo's callback) under ``lock`` (dynamo's ``compile_lock``, which it takes
-    anyway), as part of the flight of gated call ``current``."""
+    """Run ``compile_fn`` (dynamo's callback) as part of the flight of gated call ``current``.
+
+    Never waits for ``lock`` (dynamo's ``compile_lock``) itself: most frames that reach the callback here
+    are frames upstream skips without taking any lock (torch's own functions called from compiled code,
+    e.g. ``callback_handler.run_start_callbacks`` while that thread holds torch's callback lock in a lazy
+    backward compile). Waiting for ``compile_lock`` there would invert upstream's lock order: the compile
+    holding ``compile_lock`` waits for the callback lock (``compile_inner`` enters ``install_callbacks``),
+    and neither moves (measured: a permanent deadlock under resets). So: free lock → hold it for the whole
+    callback and time the compile; taken → hand the frame to upstream as it is, which takes the lock only
+    if it compiles; the flight counts as queued meanwhile, so its waiters go ahead.
+    """
     if key is None or current is None:
         return compile_fn()
     fl = current.flight
     if fl is None:
         fl = current.flight = takeoff(key)
-    fl.queued += 1
-    try:
-        lock.acquire()
-    finally:
-        fl.queued -= 1
+    if not lock.acquire(False):
+        fl.queued += 1
+        try:
+            return compile_fn()
+        finally:
+            fl.queued -= 1
+            fl.idle_since = time.monotonic()
     fl.compiling += 1
     t1 = time.perf_counter()
     try:
