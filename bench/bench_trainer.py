@@ -33,7 +33,8 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-ROOT = Path(__file__).resolve().parents[1]
+from _repo import ROOT
+
 TRAIN = ROOT / "examples" / "specdec" / "train.py"
 
 
@@ -389,8 +390,7 @@ def main() -> int:
              f"{f', {a.steps} steps' if a.steps else ''}, compile caches: {cache}\n\n")
     differ: List[Dict[str, Any]] = []  # layouts: threaded runs whose losses depart from their sequential run's
     if a.compare == "layouts":
-        sys.path.insert(0, str(ROOT / "examples"))
-        from specdec.cli import PRESETS
+        from examples.specdec.cli import PRESETS
 
         preset = PRESETS.get(a.preset, {})
         pairs = parse_threads(a.threads or f"{preset.get('target_threads', 1)}+{preset.get('drafter_threads', 1)}")

@@ -37,10 +37,10 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
+from _repo import ROOT  # noqa: F401  (makes examples.specdec importable)
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from specdec import cli, masks, models, trainer  # noqa: E402
-from specdec.runtime import Lane, sm_limit_problem  # noqa: E402
+from examples.specdec import cli, masks, models, trainer
+from examples.specdec.runtime import Lane, sm_limit_problem
 
 
 def elapsed_ms(work: Sequence[Callable[[], None]], streams: Sequence["torch.cuda.Stream"]) -> float:

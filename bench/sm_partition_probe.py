@@ -13,13 +13,12 @@ gains over running one after the other. Needs one CUDA GPU and torch built with 
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 from typing import Callable, Optional
 
 import torch
+from _repo import ROOT  # noqa: F401  (makes examples.specdec importable)
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from specdec.runtime import partition_stream, sm_limit_problem  # noqa: E402
+from examples.specdec.runtime import partition_stream, sm_limit_problem
 
 
 def chain(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

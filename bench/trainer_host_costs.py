@@ -19,13 +19,13 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Callable, List
 
 import torch
+from _repo import ROOT  # noqa: F401  (makes examples.specdec importable)
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from specdec import cli, data as data_mod, masks  # noqa: E402
+from examples.specdec import cli, masks
+from examples.specdec import data as data_mod
 
 
 def per_batch_ms(fn: Callable[[int], object], batches: int, rounds: int, start: int, sync: Callable[[], None]) -> float:

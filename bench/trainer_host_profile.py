@@ -30,8 +30,8 @@ import time
 from pathlib import Path
 from typing import Counter, Dict, List, Optional
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples"))
+from _repo import ROOT
+
 TRAINER_DIR = str(ROOT / "examples" / "specdec")
 
 
@@ -136,7 +136,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if a.interval <= 0 or a.switch <= 0:
         ap.error("--interval and --switch must be positive")
 
-    from specdec import metrics, train
+    from examples.specdec import metrics, train
 
     sampler = Sampler(a.interval, a.switch)
     mark, close = metrics.Throughput.mark, metrics.Throughput.close

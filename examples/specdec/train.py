@@ -22,11 +22,13 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
-if __package__ in (None, ""):  # run as a script: make the ``specdec`` package importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from specdec import cli  # noqa: E402
-else:
-    from . import cli  # noqa: E402
+if __name__ == "__main__" and not __package__:
+    # Run as a script (the documented command): this file's package is ``examples.specdec`` of the repository
+    # root, which the relative imports below then load (PEP 366).
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    __package__ = "examples.specdec"
+
+from . import cli  # noqa: E402
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -40,10 +42,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         import torch
     except ImportError as e:
         cli.fail(f"torch is not importable ({e})")
-    if __package__ in (None, ""):
-        from specdec import metrics, trainer
-    else:
-        from . import metrics, trainer
+    from . import metrics, trainer
     problem = trainer.check_devices(args)
     if problem:
         cli.fail(problem)

@@ -3,14 +3,13 @@ behind the MFU numbers, and the synthetic data."""
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import pytest
 
 torch = pytest.importorskip("torch")
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
-from specdec import data as data_mod, flops, masks, models  # noqa: E402
+# The repository root is on sys.path (pytest's pythonpath in pyproject.toml): the trainer is examples.specdec.
+from examples.specdec import data as data_mod, flops, masks, models  # noqa: E402
 
 
 @pytest.mark.parametrize("batch, seq, steps", [(2, 128, 3), (2, 200, 2), (1, 64, 2)])
@@ -252,7 +251,7 @@ def test_step_graph_never_captures_while_another_graph_is_still_warming_up() -> 
     """--step-graphs: a capture while another thread still makes first calls (compiles, autotunes: device-wide
     synchronisations) breaks the capture. A StepGraph past its own warm-up therefore stays eager, without blocking,
     until every live StepGraph is warm. (CPU: nothing here may reach a capture.)"""
-    from specdec import graphs
+    from examples.specdec import graphs
 
     calls = []
     a = graphs.StepGraph(lambda x: calls.append(("a", x)), stream=object(), warmup=2)
@@ -272,7 +271,7 @@ def test_step_graph_never_captures_while_another_graph_is_still_warming_up() -> 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_step_graph_replays_with_new_inputs_and_trains_like_eager() -> None:
     """A StepGraph of forward + backward + fused AdamW (capturable, tensor lr) gives the eager run's weights."""
-    from specdec import graphs
+    from examples.specdec import graphs
 
     def make():
         torch.manual_seed(0)
@@ -315,7 +314,7 @@ def run_reducer_threads(reducer, lanes: list, body) -> None:
     the others) and fails the test, as does a thread still running after 60 s. Synchronises the device after."""
     import threading
 
-    from specdec import graphs
+    from examples.specdec import graphs
 
     errors: list = []
 
@@ -341,7 +340,7 @@ def run_reducer_threads(reducer, lanes: list, body) -> None:
 def test_reducer_as_step_graph_averages_and_clips_like_eager() -> None:
     """--step-graphs: the leader's sum, average and clipping replayed as one graph give every thread, at every
     step, what the eager reducer gives (three threads on three streams of one GPU, new gradients each step)."""
-    from specdec.runtime import Lane, Reducer
+    from examples.specdec.runtime import Lane, Reducer
 
     n, size, steps = 3, 1000, 6
 
@@ -383,7 +382,7 @@ def test_eager_reducer_waits_for_every_read_of_the_last_result_before_the_next_s
     Thread 1's stream is held back (a sleep before its first copy), so its copy runs long after the leader has
     started the next step; it must still read the first step's average (1 + 2), not the leader's next gradient
     (10). Fails if the leader writes ``total`` before waiting for the other threads' events."""
-    from specdec.runtime import Lane, Reducer
+    from examples.specdec.runtime import Lane, Reducer
 
     dev = torch.device("cuda:0")
 
@@ -429,7 +428,7 @@ def test_handoff_outlives_another_threads_capture(keep: str) -> None:
     batches are handed over.)"""
     import threading
 
-    from specdec.runtime import Lane
+    from examples.specdec.runtime import Lane
 
     n = 1 << 22  # 16 MiB of float32: a large-pool block of its own
     # Every kernel below runs once first: the first launch of a kernel in a process loads its module, which waits
@@ -500,7 +499,7 @@ def test_handoff_outlives_another_threads_capture(keep: str) -> None:
 def test_captured_step_graph_copies_inputs_then_replays() -> None:
     """After capture (a stand-in graph here: CPU), each call copies the new tensor inputs into the static ones in
     one call (``None`` inputs skipped) and replays; a graph without inputs (the optimizer update) just replays."""
-    from specdec import graphs
+    from examples.specdec import graphs
 
     class Replays:
         count = 0
@@ -575,7 +574,7 @@ def test_markov_cache_stays_bounded_under_racing_threads() -> None:
 def test_machine_read_lines_are_one_write(monkeypatch: pytest.MonkeyPatch) -> None:
     """SUMMARY and PARAM_CHECKSUM lines reach stdout in one write: torchrun's ranks share stdout, and print() writes
     a line's text and its newline separately, so another rank's line could land between them."""
-    from specdec import trainer
+    from examples.specdec import trainer
 
     writes: list = []
 
@@ -593,7 +592,7 @@ def test_machine_read_lines_are_one_write(monkeypatch: pytest.MonkeyPatch) -> No
 
 
 def _green_contexts() -> bool:
-    from specdec.runtime import sm_limit_problem  # the trainer's own check: torch build, driver library, SM count
+    from examples.specdec.runtime import sm_limit_problem  # the trainer's own check: torch build, driver library, SM count
 
     return torch.cuda.is_available() and sm_limit_problem(torch.device("cuda"), 1) is None
 
@@ -603,7 +602,7 @@ def test_target_sms_stream_runs_eager_compiled_and_graphed_work() -> None:
     """--target-sms: a stream confined to some SMs (runtime.partition_stream) runs eager kernels, compiled code and
     a CUDA graph captured on it with the results of a plain stream; the SM count is checked against the GPU's.
     (That the work stays on those SMs is measured, not asserted: bench/sm_partition_probe.py.)"""
-    from specdec.runtime import Lane, sm_limit_problem
+    from examples.specdec.runtime import Lane, sm_limit_problem
 
     dev = torch.device("cuda")
     total = torch.cuda.get_device_properties(dev).multi_processor_count
