@@ -12,15 +12,15 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
 
 
-def save(path: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, step: int, extra: Dict[str, Any]) -> None:
+def save(path: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, step: int, extra: dict[str, Any]) -> None:
     """Write atomically (temporary directory, then rename) so a crash never leaves a half checkpoint."""
-    tensors: Dict[str, torch.Tensor] = {f"model.{k}": v.detach().cpu().contiguous()
+    tensors: dict[str, torch.Tensor] = {f"model.{k}": v.detach().cpu().contiguous()
                                         for k, v in model.state_dict().items()}
     sd = opt.state_dict()
     for pid, state in sd["state"].items():
@@ -60,7 +60,7 @@ def load(path: Path, model: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
     tensors = load_file(file)
     dev = next(model.parameters()).device
     model.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")}, strict=True)
-    state: Dict[int, Dict[str, torch.Tensor]] = {}
+    state: dict[int, dict[str, torch.Tensor]] = {}
     for key, value in tensors.items():
         if key.startswith("optim."):
             _, pid, name = key.split(".", 2)

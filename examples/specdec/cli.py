@@ -8,9 +8,9 @@ import os
 import re
 import sys
 from pathlib import Path
-from typing import Any, Dict, List, NoReturn, Optional
+from typing import Any, NoReturn
 
-PRESETS: Dict[str, Dict[str, Any]] = {
+PRESETS: dict[str, dict[str, Any]] = {
     # 2 target + 2 drafter threads on CPU; a few minutes on a 2-core machine.
     "cpu-tiny": dict(devices="cpu", target_threads=2, drafter_threads=2, steps=300, batch_size=4, seq_len=128,
                      vocab_size=256, target_dim=128, target_layers=4, target_heads=4, target_ffn=256,
@@ -39,7 +39,7 @@ PRESETS: Dict[str, Dict[str, Any]] = {
                     target_dtype="bfloat16", autocast="bf16", target_compile_scope="layer"),
 }
 
-DEFAULTS: Dict[str, Any] = dict(
+DEFAULTS: dict[str, Any] = dict(
     devices="auto", target_threads=1, drafter_threads=1, steps=200, batch_size=4, seq_len=128, vocab_size=256,
     target_dim=128, target_layers=4, target_heads=4, target_kv_heads=None, target_ffn=256, rope_theta=10000.0,
     ttt_steps=3, lr=3e-3, prior_strength=0.5, eval_every=50, log_every=25, eval_prompts=16, eval_gen_len=48,
@@ -208,12 +208,12 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
 DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
 
-def device_list(spec: str) -> List[str]:
+def device_list(spec: str) -> list[str]:
     """The comma-separated entries of ``--devices`` (syntax only; availability is checked with torch)."""
     return [d.strip() for d in spec.split(",") if d.strip()]
 
 
-def validate(args: argparse.Namespace) -> Optional[str]:
+def validate(args: argparse.Namespace) -> str | None:
     """Everything that can be checked without torch; returns the first problem as one line, or None."""
     positive = ["target_threads", "drafter_threads", "steps", "batch_size", "seq_len", "vocab_size", "target_dim",
                 "target_layers", "target_heads", "target_ffn", "ttt_steps", "queue_size", "eval_prompts",
@@ -305,7 +305,7 @@ def validate(args: argparse.Namespace) -> Optional[str]:
     return None
 
 
-def resume_problem(path: Path) -> Optional[str]:
+def resume_problem(path: Path) -> str | None:
     if not path.exists():
         return f"--resume {path}: no such file or directory"
     if (path / "checkpoint.safetensors").exists():
@@ -315,7 +315,7 @@ def resume_problem(path: Path) -> Optional[str]:
     return f"--resume {path}: no checkpoint there (expected checkpoint.safetensors or ckpt-*/ inside)"
 
 
-def resume_step(path: Path) -> Optional[int]:
+def resume_step(path: Path) -> int | None:
     """Step of the checkpoint ``--resume`` would load (from its meta.json), if readable."""
     import json
 
@@ -327,7 +327,7 @@ def resume_step(path: Path) -> Optional[int]:
         return None
 
 
-def writable_dir(path: Path) -> Optional[str]:
+def writable_dir(path: Path) -> str | None:
     """Create ``path`` if needed and prove it takes files; the reason as one line, or None."""
     try:
         path.mkdir(parents=True, exist_ok=True)

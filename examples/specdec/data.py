@@ -15,7 +15,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Optional, Sequence, Union
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -43,11 +43,11 @@ class Batch:
     def pos(self) -> torch.Tensor:
         return self.packed[2]
 
-    def to(self, device: torch.device) -> "Batch":
+    def to(self, device: torch.device) -> Batch:
         return Batch(self.index, self.packed.to(device))
 
 
-def _stack(index: int, rows: List[tuple]) -> Batch:
+def _stack(index: int, rows: list[tuple]) -> Batch:
     packed = np.stack([np.stack([r[j] for r in rows]) for j in range(3)]).astype(np.int64)
     return Batch(index, torch.from_numpy(packed))
 
@@ -64,7 +64,7 @@ class MarkovData:
     """
 
     def __init__(self, vocab_size: int, batch_size: int, seq_len: int, seed: int = 0, branch: int = 4,
-                 min_doc: int = 16, max_doc: Optional[int] = None, block: int = 16, pin_memory: bool = False) -> None:
+                 min_doc: int = 16, max_doc: int | None = None, block: int = 16, pin_memory: bool = False) -> None:
         if vocab_size <= branch:
             raise ValueError(f"vocab_size {vocab_size} must exceed the branching factor {branch}")
         self.vocab_size, self.batch_size, self.seq_len, self.seed = vocab_size, batch_size, seq_len, seed
@@ -99,14 +99,14 @@ class MarkovData:
         self.pin_memory = pin_memory
         self._lock = threading.Lock()
         # block key -> its batches, or the Event of the thread making it
-        self._cache: "OrderedDict[int, Union[List[Batch], threading.Event]]" = OrderedDict()
+        self._cache: OrderedDict[int, list[Batch] | threading.Event] = OrderedDict()
 
     def transition_logprobs(self, floor: float = 1e-3) -> torch.Tensor:
         """``[V, V]`` log transition probabilities (floored), used as the built-in target's bigram prior."""
-        T = np.full((self.vocab_size, self.vocab_size), floor)
+        trans = np.full((self.vocab_size, self.vocab_size), floor)
         rows = np.repeat(np.arange(self.vocab_size), self.succ.shape[1])
-        np.add.at(T, (rows, self.succ.ravel()), self.probs.ravel())
-        return torch.from_numpy(np.log(T / T.sum(1, keepdims=True))).float()
+        np.add.at(trans, (rows, self.succ.ravel()), self.probs.ravel())
+        return torch.from_numpy(np.log(trans / trans.sum(1, keepdims=True))).float()
 
     def _draws(self, index: int) -> tuple:
         """Batch ``index``'s random draws, from its own seed stream: document lengths ``[B, N]``, the uniform
@@ -160,7 +160,7 @@ class MarkovData:
             take(idx, out=prev)
         return out.T
 
-    def batches(self, indices: Sequence[int]) -> List[Batch]:
+    def batches(self, indices: Sequence[int]) -> list[Batch]:
         """``[batch(i) for i in indices]``, generated together: each batch draws from its own seed stream exactly
         as ``batch`` does, and the layout and the chain run once over the rows of all of them (the chain's cost is
         per position, not per row: 16 batches cost little more than one). Each batch is a view of one
@@ -190,7 +190,7 @@ class MarkovData:
         assert block is not None
         return block[offset]
 
-    def _block(self, key: int, wait: bool) -> Optional[List[Batch]]:
+    def _block(self, key: int, wait: bool) -> list[Batch] | None:
         """Block ``key`` from the cache, made here if nobody has started it; if another thread is making it: wait
         for it (``wait``) or return None."""
         with self._lock:
@@ -209,7 +209,7 @@ class MarkovData:
             entry = self._cache.get(key)
         return entry if isinstance(entry, list) else self._make(key)
 
-    def _make(self, key: int, event: Optional[threading.Event] = None) -> List[Batch]:
+    def _make(self, key: int, event: threading.Event | None = None) -> list[Batch]:
         made = self.batches(range(key * self.block, (key + 1) * self.block))
         with self._lock:
             if event is None or self._cache.get(key) is event:
@@ -218,7 +218,7 @@ class MarkovData:
             event.set()
         return made
 
-    def _put(self, key: int, entry: "Union[List[Batch], threading.Event]") -> None:
+    def _put(self, key: int, entry: list[Batch] | threading.Event) -> None:
         """Under the lock: store an entry, evicting the oldest beyond ``cached_blocks``."""
         self._cache[key] = entry
         while len(self._cache) > self.cached_blocks:
@@ -238,19 +238,19 @@ class ByteTokenizer:
     vocab_size = 257
     bos_token_id = BOS
 
-    def encode(self, text: str) -> List[int]:
+    def encode(self, text: str) -> list[int]:
         return [b + 1 for b in text.encode("utf-8")]
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
 
-def has_tokenizer(path: Optional[str]) -> bool:
+def has_tokenizer(path: str | None) -> bool:
     """Whether a model directory ships a tokenizer (a bare checkpoint falls back to bytes)."""
     return bool(path) and any((Path(path) / f).exists() for f in TOKENIZER_FILES)
 
 
-def load_tokenizer(path: Optional[str]):
+def load_tokenizer(path: str | None):
     """A Hugging Face tokenizer from a local path (transformers imported lazily), or the byte-level fallback."""
     if not path:
         return ByteTokenizer()
@@ -259,7 +259,7 @@ def load_tokenizer(path: Optional[str]):
     return AutoTokenizer.from_pretrained(path)
 
 
-def read_documents(path: str) -> List[str]:
+def read_documents(path: str) -> list[str]:
     p = Path(path)
     text = p.read_text(encoding="utf-8")
     if p.suffix == ".jsonl":

@@ -2,15 +2,14 @@
 
 Conventions (docs/trainer.md, "Throughput and MFU"): a matmul of an ``m x n`` weight costs ``2·m·n`` FLOPs per token
 forward and ``4·m·n`` backward (input and weight gradients); a frozen weight that needs only the input gradient
-(the drafter's LM head), or a weight whose input needs none (the drafter's fuse layer), costs ``2·m·n`` backward. Attention costs ``4·d·K`` per query forward (``QKᵀ`` and ``PV``,
-``d`` = heads × head_dim, ``K`` = keys the query attends under its mask, measured on the data) and twice that
-backward. Only useful work counts: masked-out keys, recomputation, norms, RoPE, softmax and the loss are not
-FLOPs here, so MFU is conservative.
+(the drafter's LM head), or a weight whose input needs none (the drafter's fuse layer), costs ``2·m·n`` backward.
+Attention costs ``4·d·K`` per query forward (``QKᵀ`` and ``PV``, ``d`` = heads × head_dim, ``K`` = keys the query
+attends under its mask, measured on the data) and twice that backward. Only useful work counts: masked-out keys,
+recomputation, norms, RoPE, softmax and the loss are not FLOPs here, so MFU is conservative.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional
 
 
 @dataclass
@@ -45,7 +44,7 @@ def drafter_flops_per_token(s: Shape, ttt_steps: int, keys: float) -> float:
     return drafter_flops_per_token_keys(s, [keys + i for i in range(ttt_steps)])
 
 
-def drafter_flops_per_token_keys(s: Shape, keys_per_step: List[float]) -> float:
+def drafter_flops_per_token_keys(s: Shape, keys_per_step: list[float]) -> float:
     total = 4 * 3 * s.dim * s.dim
     for keys in keys_per_step:
         total += 6 * layer_matmul_params(s, 2 * s.dim) + 12 * s.dim * keys + 4 * s.dim * s.vocab
@@ -58,7 +57,7 @@ PEAKS = {"H200": (989.4, 494.7), "H100 SXM": (989.4, 494.7), "H100 NVL": (835.0,
          "L4": (121.0, 60.0)}
 
 
-def peak_tflops(device_name: str, bf16: bool) -> Optional[float]:
+def peak_tflops(device_name: str, bf16: bool) -> float | None:
     """Known parts by name (longest match first); None when unknown (then MFU needs --peak-tflops)."""
     for key in sorted(PEAKS, key=len, reverse=True):
         if key.lower() in device_name.lower():
@@ -66,8 +65,8 @@ def peak_tflops(device_name: str, bf16: bool) -> Optional[float]:
     return None
 
 
-def mfu(flops_per_token: float, tokens_per_s: Optional[float], peak: Optional[float], gpus: int
-        ) -> Dict[str, Optional[float]]:
+def mfu(flops_per_token: float, tokens_per_s: float | None, peak: float | None, gpus: int
+        ) -> dict[str, float | None]:
     """Achieved TFLOP/s and its fraction of ``gpus`` × ``peak``."""
     if not tokens_per_s:
         return {"flops_per_token": flops_per_token, "tflops": None, "mfu": None}

@@ -32,12 +32,12 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Any, Callable, Iterable, List, Optional, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
 CAPTURE_LOCK = threading.Lock()
-_ALL: "weakref.WeakSet[StepGraph]" = weakref.WeakSet()
+_ALL: weakref.WeakSet[StepGraph] = weakref.WeakSet()
 _ALL_LOCK = threading.Lock()
 
 
@@ -57,13 +57,13 @@ def synchronize(devices: Iterable[torch.device]) -> None:
 class StepGraph:
     """``fn(*tensors)`` (``None`` allowed among them) eager ``warmup`` times, then captured and replayed."""
 
-    def __init__(self, fn: Callable[..., Any], stream: "torch.cuda.Stream", warmup: int = 2) -> None:
+    def __init__(self, fn: Callable[..., Any], stream: torch.cuda.Stream, warmup: int = 2) -> None:
         if stream is None:
             raise ValueError("StepGraph needs a side stream (capture on the default stream is not allowed)")
         self.fn, self.stream, self.warmup = fn, stream, warmup
         self.calls = 0
-        self.graph: Optional["torch.cuda.CUDAGraph"] = None
-        self.static: List[torch.Tensor] = []
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.static: list[torch.Tensor] = []
         self.outputs: Any = None
         with _ALL_LOCK:
             _ALL.add(self)
@@ -72,7 +72,7 @@ class StepGraph:
     def captured(self) -> bool:
         return self.graph is not None
 
-    def __call__(self, *inputs: Optional[torch.Tensor]) -> Any:
+    def __call__(self, *inputs: torch.Tensor | None) -> Any:
         self.calls += 1
         if self.graph is None:
             if self.calls <= self.warmup or not all_warm():
@@ -85,7 +85,7 @@ class StepGraph:
         self.graph.replay()  # type: ignore[union-attr]
         return self.outputs
 
-    def _capture(self, inputs: Sequence[Optional[torch.Tensor]]) -> None:
+    def _capture(self, inputs: Sequence[torch.Tensor | None]) -> None:
         # Static inputs are allocated outside the graph's pool; the copy into them happens before each replay.
         # ``None`` inputs stay None in every call (the function's signature decides), so only tensors are kept.
         self.static = [torch.empty_like(t) for t in inputs if t is not None]

@@ -25,7 +25,7 @@ the same attention.
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence, Tuple, Union
+from typing import Callable, Sequence, Union
 
 import torch
 
@@ -73,7 +73,7 @@ def use_flex(device: torch.device) -> bool:
 BLOCK_SIZE = 128  # flex_attention's default sparse block size
 
 
-def _ordered(blocks: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+def _ordered(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Block occupancy ``[..., rows, cols]`` (bool) -> (count per row, column indices with the occupied ones
     first, in increasing order), int32: the layout ``BlockMask`` stores (what ``create_block_mask`` computes)."""
     dense = blocks.to(torch.int32)
@@ -82,7 +82,7 @@ def _ordered(blocks: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     return count.contiguous(), order.contiguous()
 
 
-def block_tensors(dense: torch.Tensor, block: int = BLOCK_SIZE) -> Tuple[torch.Tensor, ...]:
+def block_tensors(dense: torch.Tensor, block: int = BLOCK_SIZE) -> tuple[torch.Tensor, ...]:
     """The eight index tensors of a ``BlockMask`` from a dense ``[B, H, Q, KV]`` boolean mask: block sums, full
     and partial blocks, each ordered per row (``_ordered``) and per column."""
     b, h, q_len, kv_len = dense.shape
@@ -119,7 +119,7 @@ def block_mask_from_dense(dense: torch.Tensor, mask_mod: MaskMod, block: int = B
     return _block_mask(block_tensors(dense, block), dense.shape[2], dense.shape[3], mask_mod, block)
 
 
-def _target_tensors(doc: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+def _target_tensors(doc: torch.Tensor) -> tuple[torch.Tensor, ...]:
     batch, seq = doc.shape
     return block_tensors(dense_mask(document_causal_mod(doc), batch, seq, seq, doc.device))
 

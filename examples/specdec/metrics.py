@@ -24,12 +24,11 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
 
 import torch
 
 
-def acceptance(proposals: torch.Tensor, tokens: torch.Tensor, first: int, last: int) -> Dict[str, object]:
+def acceptance(proposals: torch.Tensor, tokens: torch.Tensor, first: int, last: int) -> dict[str, object]:
     """τ and per-position acceptance. proposals ``[k, B, S]`` (proposal i at t targets token t+2+i), tokens
     ``[B, S]`` greedy beyond the prompt; positions t in ``[first, last]`` are scored."""
     k = proposals.shape[0]
@@ -45,8 +44,8 @@ class ErrorLog:
     """Thread-safe error bookkeeping: the first fatal error (with traceback) and counted, tolerated errors."""
 
     counts: collections.Counter = field(default_factory=collections.Counter)
-    first: Optional[str] = None
-    first_exc: Optional[BaseException] = None
+    first: str | None = None
+    first_exc: BaseException | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def count(self, where: str, exc: BaseException) -> None:
@@ -77,12 +76,12 @@ class Throughput:
     def __init__(self) -> None:
         self.start = time.monotonic()
         self.lock = threading.Lock()
-        self.tokens: Dict[str, int] = collections.Counter()
-        self.steps: Dict[str, int] = collections.Counter()
-        self.first_step: Dict[str, float] = {}
-        self.last_step: Dict[str, float] = {}
-        self.window_start: Optional[Tuple[float, Dict[str, int]]] = None
-        self.window_end: Optional[Tuple[float, Dict[str, int]]] = None
+        self.tokens: dict[str, int] = collections.Counter()
+        self.steps: dict[str, int] = collections.Counter()
+        self.first_step: dict[str, float] = {}
+        self.last_step: dict[str, float] = {}
+        self.window_start: tuple[float, dict[str, int]] | None = None
+        self.window_end: tuple[float, dict[str, int]] | None = None
         self.cpu_start = self.cpu_end = 0.0
 
     def add(self, kind: str, tokens: int) -> None:
@@ -106,12 +105,12 @@ class Throughput:
                 self.window_end = (time.monotonic(), dict(self.tokens))
                 self.cpu_end = time.process_time()
 
-    def window(self) -> Optional[Tuple[float, float]]:
+    def window(self) -> tuple[float, float] | None:
         if self.window_start is None or self.window_end is None:
             return None
         return self.window_start[0], self.window_end[0]
 
-    def steady(self, kind: str) -> Optional[float]:
+    def steady(self, kind: str) -> float | None:
         if self.window_start is None or self.window_end is None:
             return None
         (t0, n0), (t1, n1) = self.window_start, self.window_end
@@ -119,7 +118,7 @@ class Throughput:
             return None
         return (n1.get(kind, 0) - n0.get(kind, 0)) / (t1 - t0)
 
-    def summary(self) -> Dict[str, Dict[str, float]]:
+    def summary(self) -> dict[str, dict[str, float]]:
         out = {}
         with self.lock:
             kinds = sorted(self.tokens)
@@ -150,15 +149,15 @@ class GpuUtil:
     second, through pynvml when installed, else an ``nvidia-smi`` child process (killed with the trainer, even
     by ``os._exit``). ``mean(t0, t1)`` averages the samples of the given monotonic-time window over the GPUs."""
 
-    def __init__(self, cuda_indices: List[int], period_s: float = 0.2) -> None:
-        self.samples: List[Tuple[float, float]] = []
-        self.source: Optional[str] = None
-        self.reason: Optional[str] = None
+    def __init__(self, cuda_indices: list[int], period_s: float = 0.2) -> None:
+        self.samples: list[tuple[float, float]] = []
+        self.source: str | None = None
+        self.reason: str | None = None
         self._stop = threading.Event()
         self._proc = None
         ids = self._physical_ids(cuda_indices)
         try:
-            import pynvml  # noqa: F401
+            import pynvml
 
             pynvml.nvmlInit()
             handles = [pynvml.nvmlDeviceGetHandleByUUID(i) if not i.isdigit() else
@@ -182,7 +181,7 @@ class GpuUtil:
         threading.Thread(target=target, name="gpu-util", daemon=True).start()
 
     @staticmethod
-    def _physical_ids(indices: List[int]) -> List[str]:
+    def _physical_ids(indices: list[int]) -> list[str]:
         import os
 
         visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
@@ -204,7 +203,7 @@ class GpuUtil:
             except ValueError:
                 continue
 
-    def mean(self, window: Optional[Tuple[float, float]]) -> Optional[float]:
+    def mean(self, window: tuple[float, float] | None) -> float | None:
         if window is None:
             return None
         vals = [u for t, u in self.samples if window[0] <= t <= window[1]]
@@ -232,7 +231,7 @@ def _die_with_parent() -> None:
         pass
 
 
-def compile_counts() -> Dict[str, int]:
+def compile_counts() -> dict[str, int]:
     """Dynamo's own counters: unique graphs compiled and frames seen (process-wide)."""
     try:
         from torch._dynamo.utils import counters
@@ -244,10 +243,10 @@ def compile_counts() -> Dict[str, int]:
             "recompiles": int(sum(counters.get("recompiles", {}).values()))}
 
 
-def ttc_status() -> Dict[str, object]:
+def ttc_status() -> dict[str, object]:
     """``torch_threadsafe_compile.status()`` when the package is importable; never fails the run."""
     try:
-        import torch_threadsafe_compile as ttc  # noqa: F401
+        import torch_threadsafe_compile as ttc
     except Exception as e:
         return {"importable": False, "reason": f"{type(e).__name__}: {e}"}
     try:
@@ -271,10 +270,10 @@ class Progress:
             except ImportError:
                 pass
 
-    def update(self, step: int, total: int, info: Dict[str, object]) -> None:
+    def update(self, step: int, total: int, info: dict[str, object]) -> None:
         if self.bar is not None:
             self.bar.update(1)
-            self.bar.set_postfix({k: v for k, v in info.items()}, refresh=False)
+            self.bar.set_postfix(dict(info), refresh=False)
         elif step % self.every == 0 or step == total:
             print(f"step {step}/{total} " + " ".join(f"{k}={v}" for k, v in info.items()), flush=True)
 
@@ -286,14 +285,15 @@ class Progress:
 class MetricsLog:
     """Append-only JSONL (one record per step or eval) plus an in-memory copy for the summary and plot."""
 
-    def __init__(self, path: Optional[Path]) -> None:
+    def __init__(self, path: Path | None) -> None:
         self.path = path
-        self.records: List[Dict[str, object]] = []
+        self.records: list[dict[str, object]] = []
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
-        self.fh = open(path, "a", encoding="utf-8") if path is not None else None
+        # open for the whole run, closed by close()
+        self.fh = open(path, "a", encoding="utf-8") if path is not None else None  # noqa: SIM115
 
-    def write(self, record: Dict[str, object]) -> None:
+    def write(self, record: dict[str, object]) -> None:
         self.records.append(record)
         if self.fh is not None:
             self.fh.write(json.dumps(record) + "\n")
@@ -304,7 +304,7 @@ class MetricsLog:
             self.fh.close()
 
 
-def plot(records: List[Dict[str, object]], path: Path) -> Optional[str]:
+def plot(records: list[dict[str, object]], path: Path) -> str | None:
     """PNG of training loss and τ against step; returns a note instead when matplotlib is missing."""
     try:
         import matplotlib

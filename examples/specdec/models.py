@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Sequence
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
+import torch.nn.functional as F  # noqa: N812 - torch's own convention
 
 from .masks import Mask
 
@@ -86,7 +86,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, ret
 
 
 def _dense_attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
-                         ) -> Tuple[torch.Tensor, torch.Tensor]:
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
     groups = q.shape[1] // k.shape[1]
     if groups > 1:
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
@@ -98,7 +98,7 @@ def _dense_attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask
 
 
 def merge_diagonal(q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                   diagonal: Sequence[Tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+                   diagonal: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
     """Attention of ``q`` over a key set and, in addition, over one more key per query at each entry of
     ``diagonal`` (``(k_j, v_j)`` ``[B, Hkv, Q, D]``: query t also attends ``k_j[t]``), from the first set's
     output ``out`` and log-sum-exp ``lse``. Softmax over a union of key sets is the sets' outputs weighted by
@@ -119,7 +119,7 @@ def merge_diagonal(q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     return merged.view(b, h, s, d).to(out.dtype)
 
 
-def hidden_layer_ids(num_layers: int) -> Tuple[int, int, int]:
+def hidden_layer_ids(num_layers: int) -> tuple[int, int, int]:
     """Indices into a ``hidden_states`` tuple (entry 0 = embeddings, entry i = output of layer i) used as the
     EAGLE-3 low/mid/high features: roughly a quarter, half and all-but-one of the depth."""
     low = max(1, num_layers // 4)
@@ -138,7 +138,7 @@ class TargetConfig:
     ffn: int = 256
     seed: int = 0
     prior_strength: float = 0.5  # weight of the frozen bigram prior in the logits (0 disables it)
-    kv_heads: Optional[int] = None  # grouped-query attention (Llama 3: 8); None = heads
+    kv_heads: int | None = None  # grouped-query attention (Llama 3: 8); None = heads
     rope_theta: float = 10000.0
 
 
@@ -150,7 +150,7 @@ class Attention(nn.Module):
     (measured together with ``SoftCrossEntropy``: docs/trainer.md, row 14). The frozen target keeps three
     (concatenating its weights would copy them on every forward)."""
 
-    def __init__(self, in_dim: int, dim: int, heads: int, kv_heads: Optional[int] = None,
+    def __init__(self, in_dim: int, dim: int, heads: int, kv_heads: int | None = None,
                  rope_theta: float = 10000.0, fused: bool = False) -> None:
         super().__init__()
         self.fused = fused
@@ -162,7 +162,7 @@ class Attention(nn.Module):
         self.v = nn.Linear(in_dim, self.kv_heads * self.head_dim, bias=False)
         self.o = nn.Linear(dim, dim, bias=False)
 
-    def project(self, x: torch.Tensor, pos: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def project(self, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         b, s, _ = x.shape
         split = lambda t, h: t.view(b, s, h, self.head_dim).transpose(1, 2)  # noqa: E731
         if self.fused:
@@ -209,8 +209,8 @@ class TargetLM(nn.Module):
     there in float32 and filled parameter by parameter, which is what earlier versions did.
     """
 
-    def __init__(self, cfg: TargetConfig, prior: Optional[torch.Tensor] = None,
-                 device: Optional[torch.device] = None, dtype: torch.dtype = torch.float32,
+    def __init__(self, cfg: TargetConfig, prior: torch.Tensor | None = None,
+                 device: torch.device | None = None, dtype: torch.dtype = torch.float32,
                  init: bool = True) -> None:
         super().__init__()
         self.cfg = cfg
@@ -231,14 +231,13 @@ class TargetLM(nn.Module):
                         p.copy_(torch.randn(p.shape, generator=gen, device=device) * std)
                     else:  # RMSNorm gains
                         p.fill_(1.0)
-        if prior is not None and cfg.prior_strength:
-            prior = prior.to(device=device, dtype=torch.float32) * cfg.prior_strength
-        else:
-            prior = None  # a [V, V] prior is out of the question for large vocabularies (128k: 64 GB)
+        # (a [V, V] prior is out of the question for large vocabularies: 128k is 64 GB)
+        prior = prior.to(device=device, dtype=torch.float32) * cfg.prior_strength \
+            if prior is not None and cfg.prior_strength else None
         self.register_buffer("prior", prior, persistent=False)
         self.requires_grad_(False)
 
-    def replicate(self, device: torch.device) -> "TargetLM":
+    def replicate(self, device: torch.device) -> TargetLM:
         """An identical copy on another device (weights copied, not re-drawn)."""
         dtype = self.embed.weight.dtype
         other = TargetLM(self.cfg, None, device=device, dtype=dtype, init=False)
@@ -259,7 +258,7 @@ class TargetLM(nn.Module):
 
     block_fn = None  # optional callable(block, x, pos, mask), e.g. one compiled function shared by all layers
 
-    def forward(self, tokens: torch.Tensor, pos: torch.Tensor, mask: Mask) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+    def forward(self, tokens: torch.Tensor, pos: torch.Tensor, mask: Mask) -> tuple[torch.Tensor, list[torch.Tensor]]:
         x = self.embed(tokens)
         hidden = [x]
         call = self.block_fn or call_block
@@ -305,7 +304,7 @@ class HFTarget(nn.Module):
     def output_embedding(self) -> torch.Tensor:
         return self.model.get_output_embeddings().weight
 
-    def forward(self, tokens: torch.Tensor, pos: torch.Tensor, mask: Mask) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+    def forward(self, tokens: torch.Tensor, pos: torch.Tensor, mask: Mask) -> tuple[torch.Tensor, list[torch.Tensor]]:
         if not isinstance(mask, torch.Tensor):
             raise TypeError("HFTarget takes a dense boolean mask (build it with masks.dense_mask)")
         out = self.model(input_ids=tokens, position_ids=pos, attention_mask=mask, output_hidden_states=True)
@@ -313,7 +312,7 @@ class HFTarget(nn.Module):
 
 
 def target_features(target: nn.Module, tokens: torch.Tensor, pos: torch.Tensor, mask: Mask, topk: int,
-                    out_dtype: Optional[torch.dtype] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """What a target thread sends to the drafters: fused low/mid/high hidden states ``[B, S, 3H]`` and the
     next-token distribution, either
 
@@ -344,7 +343,7 @@ class DrafterConfig:
     heads: int
     ffn: int
     ttt_steps: int = 3
-    kv_heads: Optional[int] = None
+    kv_heads: int | None = None
     rope_theta: float = 10000.0
 
 
@@ -373,7 +372,7 @@ class Drafter(nn.Module):
         self.final_norm = RMSNorm(cfg.dim)
 
     def step(self, hidden: torch.Tensor, tokens: torch.Tensor, pos: torch.Tensor, mask: Mask,
-             cache: List[Tuple[torch.Tensor, torch.Tensor]]) -> Tuple[torch.Tensor, torch.Tensor]:
+             cache: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden ``[B, S, H]`` (fused target features at step 0, own outputs later), tokens ``[B, S]`` (the token
         after each position at this step) -> (new hidden, logits).
 
@@ -429,7 +428,7 @@ class SoftCrossEntropy(torch.autograd.Function):
         return lse_z - (torch.exp(v32 - lse_v.unsqueeze(-1)) * z32).sum(-1)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[Optional[torch.Tensor], None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None]:
         z, v, lse_z, lse_v = ctx.saved_tensors
         q = torch.exp(z.float() - lse_z.unsqueeze(-1))
         p = torch.exp(v.float() - lse_v.unsqueeze(-1))
@@ -444,7 +443,7 @@ def soft_cross_entropy(logits: torch.Tensor, target_logits: torch.Tensor) -> tor
 
 def ttt_loss(drafter: Drafter, fused: torch.Tensor, tokens: torch.Tensor, pos: torch.Tensor, doc: torch.Tensor,
              tgt_vals: torch.Tensor, tgt_idx: torch.Tensor, mask: Mask, steps: int, step_decay: float = 0.8
-             ) -> Tuple[torch.Tensor, torch.Tensor]:
+             ) -> tuple[torch.Tensor, torch.Tensor]:
     """Training-time-test loss, unrolled over ``steps`` steps (teacher-forced tokens, own hidden states);
     ``mask``: the batch's document-causal mask (``Drafter.step``).
 
@@ -456,7 +455,7 @@ def ttt_loss(drafter: Drafter, fused: torch.Tensor, tokens: torch.Tensor, pos: t
     """
     full = tgt_idx.dim() == tokens.dim()
     hidden = drafter.fuse(fused)
-    cache: List[Tuple[torch.Tensor, torch.Tensor]] = []
+    cache: list[tuple[torch.Tensor, torch.Tensor]] = []
     total = hidden.new_zeros((), dtype=torch.float32)
     weights = 0.0
     accs = []
@@ -486,7 +485,7 @@ def draft_greedy(drafter: Drafter, fused: torch.Tensor, tokens: torch.Tensor, po
     """Autoregressive drafting at every position at once: step 0 reads the real next token, step i>0 reads the
     drafter's own step-(i-1) proposal. Returns proposals ``[k, B, S]``; proposal i at t is for position t+2+i."""
     hidden = drafter.fuse(fused)
-    cache: List[Tuple[torch.Tensor, torch.Tensor]] = []
+    cache: list[tuple[torch.Tensor, torch.Tensor]] = []
     tok = shift_left(tokens, 1)
     out = []
     for i in range(steps):

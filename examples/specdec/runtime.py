@@ -35,7 +35,7 @@ import queue
 import threading
 import time
 from collections import deque
-from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -48,10 +48,10 @@ class Stopped(Exception):
     """Raised inside a worker when the shared stop event is set (not an error)."""
 
 
-_green: Dict[Tuple[int, int], Any] = {}  # (device index, SMs) -> green context; kept for the process's lifetime
+_green: dict[tuple[int, int], Any] = {}  # (device index, SMs) -> green context; kept for the process's lifetime
 
 
-def sm_limit_problem(device: torch.device, num_sms: int) -> Optional[str]:
+def sm_limit_problem(device: torch.device, num_sms: int) -> str | None:
     """Why ``partition_stream(device, num_sms)`` cannot work here (one line), or None."""
     import ctypes
 
@@ -80,7 +80,7 @@ def _call_compat(method: Callable[..., Any]) -> None:
         method(True)
 
 
-def partition_stream(device: torch.device, num_sms: int, priority: int) -> "torch.cuda.Stream":
+def partition_stream(device: torch.device, num_sms: int, priority: int) -> torch.cuda.Stream:
     """A new stream of ``device`` whose kernels (CUDA graphs replayed on it included) run on the same ``num_sms``
     SMs, however many such streams there are: a CUDA green context (driver-side SM partition; the driver may round
     the count up to its granularity). torch's ``GreenContext.Stream()`` takes no priority, so the stream is
@@ -115,7 +115,7 @@ class Lane:
     many SMs (``partition_stream``), shared by every lane given the same count on the device."""
 
     def __init__(self, device: torch.device, streams: bool, high_priority: bool = False,
-                 num_sms: Optional[int] = None) -> None:
+                 num_sms: int | None = None) -> None:
         self.device = device
         self.cuda = device.type == "cuda"
         self.stream = None
@@ -126,10 +126,10 @@ class Lane:
                 self.stream = partition_stream(device, num_sms, priority)
             else:
                 self.stream = torch.cuda.Stream(device=device, priority=priority)
-        self._helpers: Dict[int, "torch.cuda.Stream"] = {}
+        self._helpers: dict[int, torch.cuda.Stream] = {}
         # (event, tensors): tensors used by a stream of this lane, kept alive until the event (recorded after their
         # last use was issued) has completed. Events complete in stream order, so the oldest is checked first.
-        self._held: Deque[Tuple["torch.cuda.Event", Sequence[torch.Tensor]]] = deque()
+        self._held: deque[tuple[torch.cuda.Event, Sequence[torch.Tensor]]] = deque()
 
     def context(self):
         """Enter once at the top of the thread: makes the lane's device and stream current for it."""
@@ -154,18 +154,18 @@ class Lane:
         if self.cuda:
             torch.cuda.synchronize(self.device)
 
-    def _helper(self, device: torch.device) -> "torch.cuda.Stream":
+    def _helper(self, device: torch.device) -> torch.cuda.Stream:
         index = device.index if device.index is not None else torch.cuda.current_device()
         if index not in self._helpers:
             self._helpers[index] = torch.cuda.Stream(device=device)
         return self._helpers[index]
 
-    def fetch(self, tensors: Sequence[torch.Tensor], ev: Event) -> List[torch.Tensor]:
+    def fetch(self, tensors: Sequence[torch.Tensor], ev: Event) -> list[torch.Tensor]:
         """Tensors produced on another lane (complete at ``ev``), made safe to use on this lane. The caller passes
         them to ``release`` once it has issued its last use of them."""
         if self.stream is None:
             return [t.to(self.device, non_blocking=True) for t in tensors]  # default streams: ordered already
-        out: List[torch.Tensor] = []
+        out: list[torch.Tensor] = []
         waited = False
         for t in tensors:
             if t.device == self.device:
@@ -193,7 +193,7 @@ class Lane:
         if self.stream is not None:
             self._hold(tensors, self.stream)
 
-    def _hold(self, tensors: Sequence[torch.Tensor], stream: "torch.cuda.Stream") -> None:
+    def _hold(self, tensors: Sequence[torch.Tensor], stream: torch.cuda.Stream) -> None:
         ev = torch.cuda.Event()
         ev.record(stream)
         self._held.append((ev, list(tensors)))
@@ -232,11 +232,11 @@ class Reducer:
                  graph: bool = False) -> None:
         self.n, self.divisor, self.world, self.post = n, divisor, world, post
         self.barrier = threading.Barrier(n) if n > 1 else None
-        self.slots: List[Optional[Tuple[torch.Tensor, Event]]] = [None] * n
-        self.total: Optional[torch.Tensor] = None
+        self.slots: list[tuple[torch.Tensor, Event] | None] = [None] * n
+        self.total: torch.Tensor | None = None
         self.done: Event = None
         self.use_graph = graph and world == 1
-        self.graph: Optional[graphs.StepGraph] = None
+        self.graph: graphs.StepGraph | None = None
 
     def _finish(self, total: torch.Tensor) -> None:
         if self.divisor != 1:
@@ -253,7 +253,7 @@ class Reducer:
             total.div_(self.world)
         self.post(total)
 
-    def _parked(self) -> List[Tuple[torch.Tensor, Event]]:
+    def _parked(self) -> list[tuple[torch.Tensor, Event]]:
         """Every thread's (buffer, event), in thread order (all parked once the first barrier has passed)."""
         return [slot for slot in self.slots if slot is not None]
 
@@ -325,9 +325,9 @@ class StatsLog:
 
     def __init__(self, lane: Lane, pin: bool) -> None:
         self.lane, self.pin = lane, pin and lane.cuda
-        self.pending: Deque[Tuple[int, torch.Tensor, Any, Dict[str, Any]]] = deque()
+        self.pending: deque[tuple[int, torch.Tensor, Any, dict[str, Any]]] = deque()
 
-    def push(self, step: int, values: torch.Tensor, extra: Dict[str, Any]) -> None:
+    def push(self, step: int, values: torch.Tensor, extra: dict[str, Any]) -> None:
         if not self.lane.cuda:
             self.pending.append((step, values.detach().clone(), None, extra))
             return
@@ -337,7 +337,7 @@ class StatsLog:
         ev.record()
         self.pending.append((step, host, ev, extra))
 
-    def drain(self, wait: bool = False) -> List[Tuple[int, List[float], Dict[str, Any]]]:
+    def drain(self, wait: bool = False) -> list[tuple[int, list[float], dict[str, Any]]]:
         out = []
         while self.pending:
             step, host, ev, extra = self.pending[0]
@@ -359,7 +359,7 @@ class PhaseTimer:
     def __init__(self, enabled: bool, every: int = 4) -> None:
         self.enabled, self.every = enabled, max(1, every)
         self.lock = threading.Lock()
-        self.events: Dict[str, List[Tuple[int, Any, Any]]] = {}
+        self.events: dict[str, list[tuple[int, Any, Any]]] = {}
 
     def start(self, step: int) -> Any:
         """An event for an interval of step ``step`` (0-based), or None when that step is not sampled."""
@@ -377,7 +377,7 @@ class PhaseTimer:
         with self.lock:
             self.events.setdefault(kind, []).append((step, start, end))
 
-    def summary(self, after_step: int) -> Dict[str, Dict[str, float]]:
+    def summary(self, after_step: int) -> dict[str, dict[str, float]]:
         """Mean milliseconds per call for calls at steps > ``after_step`` (call after a device synchronize)."""
         out = {}
         with self.lock:
@@ -398,13 +398,13 @@ class Run:
         self.throughput = metrics.Throughput()
         self.last_progress = time.monotonic()
         self.steps_done = 0
-        self.reducer: Optional[Reducer] = None
+        self.reducer: Reducer | None = None
 
     def call(self, where: str, fn: Callable[[], Any]) -> Any:
         """Run one compiled call under the error policy: 'raise' propagates; 'count' counts the error and retries
         with a growing pause (1 ms .. 100 ms: the usual cause, another thread's compile, takes seconds), giving up
         after ``--retry-timeout`` seconds of consecutive failures."""
-        first_failure: Optional[float] = None
+        first_failure: float | None = None
         pause = 0.001
         while True:
             if self.stop.is_set():
@@ -425,21 +425,21 @@ class Run:
         if self.reducer is not None:
             self.reducer.abort()
 
-    def put(self, q: "queue.Queue", item: Any) -> None:
+    def put(self, q: queue.Queue, item: Any) -> None:
         while True:
             try:
                 return q.put(item, timeout=0.2)
             except queue.Full:
                 if self.stop.is_set():
-                    raise Stopped
+                    raise Stopped from None
 
-    def get(self, q: "queue.Queue") -> Any:
+    def get(self, q: queue.Queue) -> Any:
         while True:
             try:
                 return q.get(timeout=0.2)
             except queue.Empty:
                 if self.stop.is_set():
-                    raise Stopped
+                    raise Stopped from None
 
 
 def worker(run: Run, name: str, fn: Callable[[], None]) -> threading.Thread:
@@ -452,7 +452,7 @@ def worker(run: Run, name: str, fn: Callable[[], None]) -> threading.Thread:
             if not run.stop.is_set():
                 run.errors.fatal(name, RuntimeError("barrier broken without a stop request"))
                 run.halt()
-        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+        except BaseException as e:
             run.errors.fatal(name, e)
             run.halt()
 

@@ -20,7 +20,6 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import List, Optional
 
 if __name__ == "__main__" and not __package__:
     # Run as a script (the documented command): this file's package is ``examples.specdec`` of the repository
@@ -28,10 +27,10 @@ if __name__ == "__main__" and not __package__:
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     __package__ = "examples.specdec"
 
-from . import cli  # noqa: E402
+from . import cli
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     args = cli.resolve(cli.build_parser().parse_args(argv))
     problem = cli.validate(args)
     if problem:

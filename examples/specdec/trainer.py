@@ -24,16 +24,17 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Sequence
 
 import torch
 
-from . import checkpoint, cli, data as data_mod, flops, graphs, masks, metrics, models, runtime
+from . import checkpoint, cli, flops, graphs, masks, metrics, models, runtime
+from . import data as data_mod
 from .runtime import Lane, PhaseTimer, Reducer, Run, StatsLog, worker
 
 
 # ------------------------------------------------------------------------------------------------- devices
-def check_devices(args: argparse.Namespace) -> Optional[str]:
+def check_devices(args: argparse.Namespace) -> str | None:
     """CUDA requested but not there, a GPU index that does not exist, or an SM partition the GPU cannot make: one
     line, or None."""
     spec = args.devices
@@ -60,7 +61,7 @@ def check_devices(args: argparse.Namespace) -> Optional[str]:
     return None
 
 
-def parse_devices(spec: str) -> List[torch.device]:
+def parse_devices(spec: str) -> list[torch.device]:
     if spec == "auto":
         spec = "cuda" if torch.cuda.is_available() else "cpu"
     if spec == "cuda":
@@ -119,11 +120,11 @@ def drafter_prototype(args: argparse.Namespace, target: torch.nn.Module, dcfg: m
     return models.Drafter(dcfg, target.input_embedding(), target.output_embedding(), buffer_dtype)
 
 
-def make_replica(args: argparse.Namespace, proto: models.Drafter, lane: Lane, loss_fn: Callable) -> "Replica":
+def make_replica(args: argparse.Namespace, proto: models.Drafter, lane: Lane, loss_fn: Callable) -> Replica:
     """A copy of ``proto`` on the lane's device with its AdamW (fused on CUDA unless ``--no-fused-optimizer``;
     capturable with ``--step-graphs``)."""
     model = copy.deepcopy(proto).to(lane.device)
-    opt_kw: Dict[str, Any] = dict(fused=True) if lane.device.type == "cuda" and args.fused_optimizer else {}
+    opt_kw: dict[str, Any] = dict(fused=True) if lane.device.type == "cuda" and args.fused_optimizer else {}
     if args.step_graphs:
         opt_kw["capturable"] = True  # step counts on the device: an update that can be replayed
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, **opt_kw)
@@ -133,7 +134,7 @@ def make_replica(args: argparse.Namespace, proto: models.Drafter, lane: Lane, lo
 def maybe_compile(args: argparse.Namespace, fn: Callable, mode: str = "default") -> Callable:
     if args.no_compile:
         return fn
-    kwargs: Dict[str, Any] = dict(backend=args.compile_backend, dynamic=False)
+    kwargs: dict[str, Any] = dict(backend=args.compile_backend, dynamic=False)
     if mode != "default":
         kwargs["mode"] = mode
     return torch.compile(fn, **kwargs)
@@ -170,7 +171,7 @@ class EvalSet:
 
     @classmethod
     @torch.no_grad()
-    def build(cls, args: argparse.Namespace, data, target: torch.nn.Module, device: torch.device) -> "EvalSet":
+    def build(cls, args: argparse.Namespace, data, target: torch.nn.Module, device: torch.device) -> EvalSet:
         """Eager and dense-masked on purpose: built once, before any worker thread starts."""
         block_fn = getattr(target, "block_fn", None)
         if block_fn is not None:  # a compiled layer would recompile for every generated length
@@ -183,7 +184,7 @@ class EvalSet:
 
     @classmethod
     @torch.no_grad()
-    def _build(cls, args: argparse.Namespace, data, target: torch.nn.Module, device: torch.device) -> "EvalSet":
+    def _build(cls, args: argparse.Namespace, data, target: torch.nn.Module, device: torch.device) -> EvalSet:
         k = args.ttt_steps
         toks = data.prompts(args.eval_prompts, args.eval_prompt_len, seed=args.seed + 1).to(device)
         for _ in range(args.eval_gen_len + k + 1):
@@ -201,7 +202,7 @@ class EvalSet:
             fused = fused.float()
         return cls(toks, pos, fused, mask, k, first=args.eval_prompt_len - 1, last=s - k - 2)
 
-    def evaluate(self, drafter: models.Drafter, args: argparse.Namespace) -> Dict[str, object]:
+    def evaluate(self, drafter: models.Drafter, args: argparse.Namespace) -> dict[str, object]:
         with autocast(args, self.tokens.device):
             proposals = models.draft_greedy(drafter, self.fused, self.tokens, self.pos, self.mask, self.steps)
         return metrics.acceptance(proposals, self.tokens, self.first, self.last)
@@ -260,9 +261,9 @@ class Replica:
         self.completed = 0  # last step whose optimizer update finished
         self.updating = False
         self.fwd_bwd = self._fwd_bwd_fn(args, loss_fn)
-        self.fb_graph: Optional[graphs.StepGraph] = None
-        self.update_graph: Optional[graphs.StepGraph] = None
-        self.lr: Optional[torch.Tensor] = None
+        self.fb_graph: graphs.StepGraph | None = None
+        self.update_graph: graphs.StepGraph | None = None
+        self.lr: torch.Tensor | None = None
         if args.step_graphs:
             self.lr = torch.full((), float(opt.param_groups[0]["lr"]), device=lane.device)
             self.bind_lr()
@@ -355,14 +356,14 @@ def run_training(args: argparse.Namespace) -> int:
     topk = args.target_topk if 0 < args.target_topk < dcfg.vocab_size else 0
 
     # One frozen target (and one compiled forward) per device, shared by the target threads on that device.
-    placed: Dict[torch.device, torch.nn.Module] = {first_dev: target0}
+    placed: dict[torch.device, torch.nn.Module] = {first_dev: target0}
 
     def target_on(dev: torch.device) -> torch.nn.Module:
         if dev not in placed:
             placed[dev] = replicate_target(target0, dev)
         return placed[dev]
 
-    target_fns: Dict[torch.device, Callable] = {}
+    target_fns: dict[torch.device, Callable] = {}
     per_layer = args.target_compile_scope == "layer" and isinstance(target0, models.TargetLM)
     block_fn = maybe_compile(args, models.call_block, args.target_compile_mode) if per_layer else None
     for dev in dict.fromkeys(t_dev):
@@ -407,7 +408,7 @@ def run_training(args: argparse.Namespace) -> int:
 
     run.reducer = Reducer(len(replicas), D, world, clip, graph=bool(args.step_graphs))
     tokens_per_batch = args.batch_size * args.seq_len
-    summary: Dict[str, Any] = {"tau_initial": None, "tau_final": None}
+    summary: dict[str, Any] = {"tau_initial": None, "tau_final": None}
     leader = replicas[0]
     stats_log = StatsLog(leader.lane, args.pin_memory)
     timer = PhaseTimer(cuda)
@@ -416,8 +417,8 @@ def run_training(args: argparse.Namespace) -> int:
     if args.profile and rank == 0:
         a, b = (int(x) for x in (args.profile_steps or f"{mark_after + 1}:{mark_after + 6}").split(":"))
         prof_range = (a, b)
-    profiler: List[Any] = []
-    saved: Dict[str, Any] = {"step": None}
+    profiler: list[Any] = []
+    saved: dict[str, Any] = {"step": None}
 
     if evalset is not None:
         ev = evalset.evaluate(leader.model, args)
@@ -435,7 +436,7 @@ def run_training(args: argparse.Namespace) -> int:
                        k, keys)}
     progress = metrics.Progress(args.steps, start_step, args.log_every) if rank == 0 else None
 
-    def write_records(items, taus: Dict[int, float]) -> None:
+    def write_records(items, taus: dict[int, float]) -> None:
         for step, vals, extra in items:
             loss, acc, gnorm = vals[0], vals[1:1 + k], vals[-1]
             summary.setdefault("loss_first", loss)
@@ -468,7 +469,7 @@ def run_training(args: argparse.Namespace) -> int:
             return
         stats_log.push(step, leader.flat[n_grad:], {"lr": lr_at(args, step - 1),
                                                      "elapsed_s": round(time.monotonic() - run.throughput.start, 2)})
-        taus: Dict[int, float] = {}
+        taus: dict[int, float] = {}
         eval_due = evalset is not None and ((args.eval_every and step % args.eval_every == 0) or step == args.steps)
         save_due = out is not None and not args.no_checkpoint and (
             step == args.steps or (args.save_every and step % args.save_every == 0))
@@ -507,7 +508,7 @@ def run_training(args: argparse.Namespace) -> int:
     def drafter_loop(d: int) -> None:
         rep = replicas[d]
         with rep.lane.context():
-            pending: Dict[int, Tuple] = {}
+            pending: dict[int, tuple] = {}
             for s in range(start_step, args.steps):
                 n = s * D + d
                 if d == 0:
@@ -587,7 +588,7 @@ def run_training(args: argparse.Namespace) -> int:
         util.close()
     if rank == 0 and sync_error is None:
         write_records(stats_log.drain(wait=True), {})
-    kept: Optional[Tuple[str, int]] = None
+    kept: tuple[str, int] | None = None
     if status == "error" and out is not None and not args.no_checkpoint:
         if sync_error is None:
             kept = emergency_checkpoint(out, replicas, saved.get("step"), start_step, args, D * world)
@@ -665,13 +666,13 @@ class TargetCall:
         self.cudagraphs = args.target_compile_mode == "reduce-overhead" and not args.no_compile
         self.graph = graphs.StepGraph(self._forward, lane.stream) if args.step_graphs else None
 
-    def _forward(self, packed: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+    def _forward(self, packed: torch.Tensor) -> tuple[torch.Tensor, ...]:
         tokens, doc, pos = packed.unbind(0)
         mask = masks.target_mask(doc, dense=self.dense)
         with torch.no_grad():
             return self.fn(tokens, pos, mask)
 
-    def __call__(self, packed: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+    def __call__(self, packed: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if self.graph is not None:
             return tuple(t.clone() for t in self.graph(packed))
         if self.cudagraphs:
@@ -681,7 +682,7 @@ class TargetCall:
 
 
 def target_step(run: Run, args: argparse.Namespace, data, call: TargetCall, lane: Lane, index: int, step: int,
-                timer: PhaseTimer) -> Tuple[torch.Tensor, ...]:
+                timer: PhaseTimer) -> tuple[torch.Tensor, ...]:
     """One target forward on the lane: data (a pure function of ``index``), mask, compiled forward. Returns what
     the drafter step takes: ``(fused, vals, idx, packed)``."""
     packed = upload(data.batch(index), lane, args.pin_memory)
@@ -698,8 +699,8 @@ def save_checkpoint(out: Path, rep: Replica, step: int, args: argparse.Namespace
     return str(path)
 
 
-def emergency_checkpoint(out: Path, replicas: List[Replica], saved_step: Optional[int], start_step: int,
-                         args: argparse.Namespace, batches_per_step: int) -> Optional[Tuple[str, int]]:
+def emergency_checkpoint(out: Path, replicas: list[Replica], saved_step: int | None, start_step: int,
+                         args: argparse.Namespace, batches_per_step: int) -> tuple[str, int] | None:
     """After a thread died: the state of the last step the replicas completed (replicas are identical after a
     completed step; one caught inside its optimizer update is skipped), unless that step is already saved.
     Returns (path, step) of the checkpoint that holds the last completed step, or None."""
@@ -759,7 +760,7 @@ def stop_profiler(prof, directory: Path, cuda: bool) -> None:
     (directory / "ops.txt").write_text("\n\n".join(parts))
 
 
-def short_summary(s: Dict[str, Any], out: Optional[Path]) -> Dict[str, Any]:
+def short_summary(s: dict[str, Any], out: Path | None) -> dict[str, Any]:
     """The one-line ``SUMMARY`` (stdout); everything else, the full TTC status included, is in summary.json."""
     tp = {kind: {"tokens": v.get("tokens"), "steady_tokens_per_s": v.get("steady_tokens_per_s"),
                  "time_to_first_step_s": v.get("time_to_first_step_s")}
@@ -779,7 +780,7 @@ def short_summary(s: Dict[str, Any], out: Optional[Path]) -> Dict[str, Any]:
     }
 
 
-def supervise(run: Run, threads: List[threading.Thread]) -> str:
+def supervise(run: Run, threads: list[threading.Thread]) -> str:
     """Main thread: start workers, watch for hangs, handle Ctrl-C. Returns 'ok', 'error' or 'interrupted'
     (a hang exits the process from here: hung threads cannot be joined)."""
     timeout = run.args.hang_timeout
