@@ -41,6 +41,7 @@ PATCH_MODULES: tuple[str, ...] = (
     "cuda_device_guard",  # H3 (crash)
     "first_compile",  # H3
     "cudagraph_trees_per_thread",  # H7
+    "cudagraph_rng",  # H7
 )
 
 
