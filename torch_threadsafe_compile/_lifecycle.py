@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Mapping, cast
 
-from torch_threadsafe_compile import _env, _state, _versions
+from torch_threadsafe_compile import _env, _forksafe, _state, _versions
 from torch_threadsafe_compile._patching import Changes, TargetMismatch
 from torch_threadsafe_compile.registry import PATCH_MODULES, Patch, PatchSpec
 
@@ -70,6 +70,12 @@ _states: dict[str, PatchState] | None = None
 _finished: set[str] = set()  # watched modules whose body finished executing
 
 
+@_forksafe.in_child
+def _after_fork() -> None:
+    global _lock
+    _lock = threading.RLock()  # a thread of the parent may have been installing
+
+
 def warn(msg: str) -> None:
     """One line on stderr for the first problem of the process (never more); every problem in the log."""
     log.info(msg)
@@ -95,9 +101,6 @@ def states() -> dict[str, PatchState]:
         if _states is None:
             settings = _env.current()
             _configure_logging(settings.log_level)
-            unknown = sorted(settings.disabled_patches - set(PATCH_MODULES))
-            if unknown:
-                warn(f"TTC_DISABLE names unknown patches {unknown}; known: {sorted(PATCH_MODULES)}")
             loaded = {}
             for name in PATCH_MODULES:
                 impl = cast(Patch, importlib.import_module(f"torch_threadsafe_compile.patches.{name}"))

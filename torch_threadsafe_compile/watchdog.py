@@ -16,7 +16,12 @@ import threading
 import time
 from typing import Any, Callable, Iterator
 
+from torch_threadsafe_compile import _env, _forksafe
+
 __all__ = ["InstrumentedRLock", "watch", "unwatch", "start", "stop", "running", "hangs"]
+
+# The shortest bound (shared with TTC_WATCHDOG's parsing): see _env.WATCHDOG_MIN_S.
+MIN_BOUND_S = _env.WATCHDOG_MIN_S
 
 HINT = (
     "likely H4: a thread holds dynamo's compile_lock while it needs the autograd engine, and the engine's "
@@ -37,6 +42,10 @@ class InstrumentedRLock:
 
     def __init__(self, inner: Any) -> None:
         self._inner = inner
+        self.after_fork()
+
+    def after_fork(self) -> None:
+        """(Re)set the bookkeeping: at creation, and in a forked child, where the threads it names do not exist."""
         self.waiting: dict[int, float] = {}  # thread ident -> monotonic time it started waiting
         self._priority_waiting = 0
         self._priority_done = threading.Condition(threading.Lock())
@@ -104,9 +113,23 @@ class InstrumentedRLock:
 
 _lock_ref: list[InstrumentedRLock] = []
 _thread: threading.Thread | None = None
+_bound: float | None = None  # the running watchdog's bound in seconds
 _stop = threading.Event()
 _callbacks: list[Callable[[str], None]] = []
 hangs: list[str] = []  # messages of the episodes detected in this process
+
+
+@_forksafe.in_child
+def _after_fork() -> None:
+    """In a forked child: the watched lock's waiters are gone, and the watchdog thread too; a child of a
+    watched process is watched as well."""
+    global _thread, _stop
+    for lock in _lock_ref:
+        lock.after_fork()
+    was = _bound if _thread is not None else None
+    _thread, _stop = None, threading.Event()
+    if was is not None:
+        start(was)
 
 
 def watch(lock: InstrumentedRLock) -> None:
@@ -124,14 +147,15 @@ def running() -> bool:
 
 def start(seconds: float, on_hang: Callable[[str], None] | None = None) -> None:
     """Start (or re-arm) the watchdog with a bound in seconds."""
-    global _thread
-    if not seconds > 0:
-        raise ValueError("seconds must be > 0")
+    global _thread, _bound
+    if not seconds >= MIN_BOUND_S:
+        raise ValueError(f"seconds must be >= {MIN_BOUND_S}")
     if on_hang is not None:
         _callbacks.append(on_hang)
     if running():
         return
     _stop.clear()
+    _bound = float(seconds)
     _thread = threading.Thread(target=_run, args=(float(seconds),), name="ttc-watchdog", daemon=True)
     _thread.start()
 

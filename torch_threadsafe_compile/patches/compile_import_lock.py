@@ -25,6 +25,7 @@ import sys
 import threading
 from typing import Any, Callable
 
+from torch_threadsafe_compile import _forksafe
 from torch_threadsafe_compile._patching import Changes
 from torch_threadsafe_compile._torch import loaded, present_callables
 from torch_threadsafe_compile.registry import PatchSpec
@@ -39,6 +40,12 @@ SPEC = PatchSpec(
 )
 
 _lock = threading.RLock()  # re-entrant: torch.compile may call itself (its decorator form)
+
+
+@_forksafe.in_child
+def _after_fork() -> None:
+    global _lock
+    _lock = threading.RLock()  # a thread of the parent may have held it
 _imported: list[bool] = []  # [True] once a torch.compile() call completed with dynamo imported
 
 

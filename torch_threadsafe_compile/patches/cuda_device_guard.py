@@ -21,6 +21,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from torch_threadsafe_compile import _forksafe
 from torch_threadsafe_compile._patching import Changes
 from torch_threadsafe_compile._torch import loaded
 from torch_threadsafe_compile.registry import PatchSpec
@@ -37,6 +38,12 @@ SPEC = PatchSpec(
 
 ENSURE = "_ensureCUDADeviceGuardSet"
 _lock = threading.Lock()
+
+
+@_forksafe.in_child
+def _after_fork() -> None:
+    global _lock
+    _lock = threading.Lock()  # a thread of the parent may have held it
 _done: list[bool] = []
 
 

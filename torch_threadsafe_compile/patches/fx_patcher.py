@@ -35,6 +35,7 @@ import contextlib
 import threading
 from typing import Any, Callable, Iterator
 
+from torch_threadsafe_compile import _forksafe
 from torch_threadsafe_compile._patching import Changes, TargetMismatch, run_in_thread, thread_local_global
 from torch_threadsafe_compile._torch import call_plumbing, compile_lock_first, loaded, skip_code
 from torch_threadsafe_compile.registry import PatchSpec
@@ -56,6 +57,12 @@ _MISSING = object()
 ALREADY_PATCHED_SET = "_Patcher__fx_already_patched"
 ALREADY_PATCHED_GET = "__fx_already_patched"
 _slots_lock = threading.Lock()
+
+
+@_forksafe.in_child
+def _after_fork() -> None:
+    global _slots_lock
+    _slots_lock = threading.Lock()  # a thread of the parent may have held it
 
 
 class _Dispatcher:

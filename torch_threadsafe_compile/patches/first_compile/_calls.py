@@ -14,6 +14,8 @@ import threading
 import types
 from typing import Any
 
+from torch_threadsafe_compile import _forksafe
+
 # A retry is only raised when an entry whose guards (and backend) pass is in the cache, so retries end as
 # soon as dynamo's lookup sees it; the bound is a safety net for an entry that passes here but that the
 # C lookup would still reject. Spurious misses (see the package docstring) rarely repeat more than twice.
@@ -90,6 +92,15 @@ class _Stacks(threading.local):
 # ``stacks.stack``: this thread's stack of gated calls: keys (code objects or None), ModuleTarget, RESUME,
 # or GateCall objects.
 stacks = _Stacks()
+
+
+@_forksafe.in_child
+def _after_fork() -> None:
+    """In a forked child only the forking thread exists: its stack stays (its calls go on there)."""
+    me = threading.get_ident()
+    for ident in list(all_stacks):
+        if ident != me:
+            all_stacks.pop(ident, None)
 
 
 def stack() -> list[Any]:

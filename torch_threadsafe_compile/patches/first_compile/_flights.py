@@ -20,6 +20,7 @@ import time
 import types
 from typing import Any, Callable
 
+from torch_threadsafe_compile import _forksafe
 from torch_threadsafe_compile._torch import holds_compile_lock
 
 FOLLOW_FACTOR = 4.0
@@ -58,6 +59,22 @@ class _Internal(threading.local):
 
 
 internal = _Internal()
+
+
+@_forksafe.in_child
+def _after_fork() -> None:
+    """In a forked child only the forking thread's flights go on; nobody would land the others."""
+    global _lock
+    _lock = threading.Lock()
+    me = threading.get_ident()
+    for key in list(flights):
+        mine = [fl for fl in flights[key] if fl.owner == me]
+        for fl in mine:
+            fl.landed = threading.Event()  # its lock may be held by a thread that does not exist here
+        if mine:
+            flights[key] = mine
+        else:
+            del flights[key]
 
 
 def takeoff(key: types.CodeType) -> Flight:

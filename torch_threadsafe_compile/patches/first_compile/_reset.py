@@ -24,6 +24,7 @@ import threading
 import time
 from typing import Any, Callable
 
+from torch_threadsafe_compile import _forksafe
 from torch_threadsafe_compile.patches.first_compile import _calls
 
 RESET_WAIT_MAX_S = 120.0
@@ -35,12 +36,20 @@ class ResetBarrier:
     """Closed while a reset is under way: gates at depth 0 wait for it to open."""
 
     def __init__(self) -> None:
+        self.resets = 0
+        self._start()
+
+    def _start(self) -> None:
         self.closed = False
         self._cond = threading.Condition(threading.Lock())
         # One reset at a time; re-entrant, as reset() calls reset_code_caches() (both are wrapped).
         self._one_at_a_time = threading.RLock()
         self._depth = 0
-        self.resets = 0
+
+    def after_fork(self) -> None:
+        """In a forked child: no reset is under way there (the resetting thread, if it was another one,
+        does not exist in the child), and its locks may be held by threads that do not exist."""
+        self._start()
 
     def wait_open(self) -> None:
         """Called by a gate whose call is the first on its thread's stack while a reset is under way."""
@@ -88,6 +97,7 @@ class ResetBarrier:
 
 
 barrier = ResetBarrier()
+_forksafe.in_child(barrier.after_fork)
 
 # Code objects that may run under dynamo's active frame callback (a gate at depth 0 inside compiled code
 # of a function compiled before install()).
