@@ -8,7 +8,7 @@ from conftest import run_py
 
 import importlib
 
-from torch_threadsafe_compile import _bootstrap, _versions, registry
+from torch_threadsafe_compile import _bootstrap, _env, _versions, registry
 from torch_threadsafe_compile.registry import PatchSpec
 
 
@@ -31,6 +31,11 @@ def test_bootstrap_watches_exactly_the_target_modules() -> None:
     # The bootstrap cannot import the patch modules at start-up, so it keeps its own list: it must be
     # exactly the modules some patch waits for (a module no patch targets is a wasted hook).
     assert _bootstrap.WATCHED == registry.watched_modules(_specs())
+
+
+def test_env_knows_exactly_the_patch_ids() -> None:
+    # TTC_DISABLE=<ids> is checked at interpreter start, without importing the registry: same list.
+    assert _env.KNOWN_PATCHES == set(registry.PATCH_MODULES)
 
 
 def test_order_respects_dependencies() -> None:

@@ -20,6 +20,24 @@ FALSE_VALUES = frozenset({"", "0", "false", "no", "off", "none"})
 LOG_LEVELS = ("debug", "info", "warning", "error")
 # Variables this package no longer reads; setting one gets a warning instead of silence.
 RETIRED = {"TTC_CACHE_DIR": "the package keeps no on-disk cache any more (nothing of it is read or written)"}
+# The watchdog wakes about four times per bound; a compile holds dynamo's lock for longer than this in normal
+# operation, so a shorter bound is a busy loop that only ever reports ordinary compiles.
+WATCHDOG_MIN_S = 0.1
+# The patch ids TTC_DISABLE may name: registry.PATCH_MODULES, kept here so that the interpreter start can
+# check them without importing the registry (tests/test_registry.py checks that the two agree).
+KNOWN_PATCHES = frozenset({
+    "fx_tracing_flag", "fx_patcher", "compile_session_flag", "export_flag", "config_overrides", "dynamic_flags",
+    "compile_import_lock", "compile_lock_watchdog", "export_lock", "lazy_backward", "cuda_device_guard",
+    "first_compile", "cudagraph_trees_per_thread", "cudagraph_rng",
+})
+# A bad value is quoted in the warning line up to this many characters (the line stays one line).
+QUOTE_MAX = 40
+
+
+def _quote(raw: str) -> str:
+    """``raw`` for a warning line: repr'd (no control characters), cut to ``QUOTE_MAX`` characters."""
+    text = repr(raw[:QUOTE_MAX])
+    return text if len(raw) <= QUOTE_MAX else f"{text[:-1]}…{text[-1]} ({len(raw)} characters)"
 
 
 def is_true(value: str | None) -> bool:
@@ -58,26 +76,30 @@ def read_settings(environ: Mapping[str, str] | None = None) -> Settings:
         ids = [p.strip().replace("-", "_") for p in low.split(",") if p.strip()]
         if [p for p in ids if not p.replace("_", "").isalnum()]:
             # Not a list of patch ids and not a boolean: the documented default is "enabled".
-            s.problems.append(f"TTC_DISABLE={raw!r} is neither a boolean nor a list of patch ids; ignored")
+            s.problems.append(f"TTC_DISABLE={_quote(raw)} is neither a boolean nor a list of patch ids; ignored")
         else:
             s.disabled_patches = frozenset(ids)
+            unknown = sorted(s.disabled_patches - KNOWN_PATCHES)
+            if unknown:
+                known = ",".join(sorted(KNOWN_PATCHES))
+                s.problems.append(f"TTC_DISABLE names unknown patches {_quote(','.join(unknown))}; known: {known}")
 
     raw = env.get("TTC_LOG", "").strip().lower()
     if raw:
         if raw in LOG_LEVELS:
             s.log_level = raw
         else:
-            s.problems.append(f"TTC_LOG={raw!r} is not one of {'|'.join(LOG_LEVELS)}; using the default")
+            s.problems.append(f"TTC_LOG={_quote(raw)} is not one of {'|'.join(LOG_LEVELS)}; using the default")
 
     raw = env.get("TTC_WATCHDOG", "").strip()
     if raw and raw.lower() not in FALSE_VALUES:
         try:
             v = float(raw)
-            if not (0 < v < float("inf")):
+            if not (WATCHDOG_MIN_S <= v < float("inf")):
                 raise ValueError
             s.watchdog_s = v
         except ValueError:
-            s.problems.append(f"TTC_WATCHDOG={raw!r} is not a positive number of seconds; watchdog off")
+            s.problems.append(f"TTC_WATCHDOG={_quote(raw)} is not a number of seconds >= {WATCHDOG_MIN_S:g}; watchdog off")
 
     for name, why in RETIRED.items():
         if env.get(name):
