@@ -93,11 +93,9 @@ class CUDAGraphRandomDrawError(RuntimeError):
 
 def threads_started() -> bool:
     """Whether a ``threading`` thread other than the main thread is alive (torch's own threads are not)."""
-    main = threading.main_thread()
-    for t in list(threading._active.values()):  # type: ignore[attr-defined]  # read only, no dummy created
-        if t is not main and not isinstance(t, threading._DummyThread) and t.is_alive():  # type: ignore[attr-defined]
-            return True
-    return False
+    main, dummy = threading.main_thread(), threading._DummyThread  # type: ignore[attr-defined]
+    threads = list(threading._active.values())  # type: ignore[attr-defined]  # read only: no dummy is created
+    return any(t is not main and not isinstance(t, dummy) and t.is_alive() for t in threads)
 
 
 def generator_variant(func: Any) -> Any:

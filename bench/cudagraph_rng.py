@@ -1,0 +1,521 @@
+"""H7 on a GPU: random numbers drawn in other threads while one thread records a CUDA graph (patch
+``cudagraph_rng``, with ``cudagraph_trees_per_thread`` on torch < 2.13).
+
+Every scenario runs in a fresh interpreter with an empty inductor/Triton cache, once with ``TTC_DISABLE=1``
+and once with the package active, and prints one JSON line; the parent writes all rows to
+``--out/cudagraph_rng.json`` and a Markdown table to stdout. Groups (``--only``):
+
+* ``issue``: pytorch#123177's reproduction as stored in the issue thread: ``foo(x, y) = sin(x) + cos(y)``
+  compiled with ``mode="max-autotune"``, 32 threads, each drawing ``torch.rand(2, 3, device="cuda")`` twice
+  and calling it once; outputs checked against eager.
+* ``layouts``: 16 threads x 20 calls of one ``reduce-overhead`` MLP with a fresh
+  ``torch.rand(..., device="cuda")`` input per call, in three layouts (``cold``: one compiled module first
+  called by all threads at once; ``warm``: the same, recorded and replayed in the main thread first;
+  ``per_thread``: a module and ``torch.compile`` per thread). Every output is compared with eager on the
+  same input; every input's first 16 numbers are kept, and *repeats* counts inputs drawn twice (the
+  generator set back under another thread).
+* ``dropout``: one thread trains an MLP with dropout (compiled ``reduce-overhead`` forward and backward,
+  SGD) and calls a compiled dropout mask and ``x + rand_like(x)`` function, while 4 threads draw
+  ``torch.rand`` on the GPU without pause. Checks: no errors anywhere, masks differ between steps, no
+  random tensor (replayed outputs and the other threads' draws) occurs twice, losses finite.
+* ``server``: a thread pool (``--workers``) serving ``--requests`` HF ``generate`` requests of a randomly
+  initialised small Llama (``transformers``; static KV cache per worker; ``model.forward`` compiled with
+  ``reduce-overhead``), 3 in 4 sampled (``do_sample=True``), 1 in 4 greedy; greedy outputs compared with
+  eager ``generate`` of the same model; tokens/s with ``--workers`` workers and with 1.
+* ``upstream``: ``bench/upstream_tests.py`` on ``inductor/test_cudagraph_trees.py`` under
+  ``bench/pytorch_tests/test`` when that file is there (not committed yet: see docs/results), both modes.
+
+    python bench/cudagraph_rng.py --out DIR                  # everything (budget --budget s)
+    python bench/cudagraph_rng.py --only issue,layouts,dropout
+    bash bench/gpu_rng_batch.sh                              # the whole GPU batch, results under $OUT
+
+Without a CUDA device it says so in one line and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+GROUPS = ("issue", "layouts", "dropout", "server", "upstream")
+LAYOUTS = ("cold", "warm", "per_thread")
+PATCHES = ("cudagraph_trees_per_thread", "cudagraph_rng")
+UPSTREAM_FILE = os.path.join(HERE, "pytorch_tests", "test", "inductor", "test_cudagraph_trees.py")
+
+# =====================================================================================================
+# Child side (fresh interpreter).
+# =====================================================================================================
+
+
+def _kind(e: BaseException) -> str:
+    s = str(e).strip()
+    return f"{type(e).__name__}: {s.splitlines()[0][:110] if s else ''}"
+
+
+def _patches(disabled: bool) -> dict[str, Any]:
+    if disabled:
+        return {"state": "disabled"}
+    import torch_threadsafe_compile as ttc
+
+    rows = {p["id"]: p for p in ttc.status()["patches"]}
+    return {pid: {k: rows.get(pid, {}).get(k) for k in ("state", "reason", "report")} for pid in PATCHES}
+
+
+def _setup() -> Any:
+    import torch
+    import torch._dynamo.config as dc
+    import torch._inductor.cudagraph_trees
+
+    setattr(dc, "recompile_limit" if hasattr(dc, "recompile_limit") else "cache_size_limit", 64)
+    return torch
+
+
+class Draws:
+    """Fingerprints (first 16 values) of random tensors, to count any drawn twice."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.seen: collections.Counter[tuple[float, ...]] = collections.Counter()
+
+    def add(self, t: Any) -> None:
+        key = tuple(float(v) for v in t.flatten()[:16].tolist())
+        with self.lock:
+            self.seen[key] += 1
+
+    def repeats(self) -> int:
+        with self.lock:
+            return sum(n - 1 for n in self.seen.values() if n > 1)
+
+
+def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    kinds: collections.Counter[str] = collections.Counter()
+    for r in rows:
+        kinds.update(r["kinds"])
+    return {"calls": sum(r["calls"] for r in rows), "errors": sum(r["errors"] for r in rows),
+            "mismatches": sum(r["mismatches"] for r in rows), "threads_failing": sum(1 for r in rows if r["errors"]),
+            "kinds": dict(kinds.most_common(3))}
+
+
+def _new_row() -> dict[str, Any]:
+    return {"calls": 0, "errors": 0, "mismatches": 0, "kinds": collections.Counter()}
+
+
+def _run_threads(n: int, target: Callable[[int], None]) -> None:
+    ts = [threading.Thread(target=target, args=(i,), name=f"w{i}") for i in range(n)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+
+
+def child_issue(disabled: bool, threads: int = 32) -> dict[str, Any]:
+    torch = _setup()
+
+    def foo(x: Any, y: Any) -> Any:
+        a = torch.sin(x)
+        b = torch.cos(y)
+        return a + b
+
+    opt_foo = torch.compile(foo, mode="max-autotune")
+    rows = [_new_row() for _ in range(threads)]
+
+    def worker(i: int) -> None:
+        try:
+            x = torch.rand(2, 3, device="cuda")
+            y = torch.rand(2, 3, device="cuda")
+            out = opt_foo(x, y)
+            rows[i]["calls"] += 1
+            rows[i]["mismatches"] += int(not torch.allclose(out, foo(x, y), atol=1e-5))
+        except Exception as e:
+            rows[i]["errors"] += 1
+            rows[i]["kinds"][_kind(e)] += 1
+
+    _run_threads(threads, worker)
+    res = {"threads": threads, **_summary(rows)}
+    res["ok"] = res["errors"] == 0 and res["mismatches"] == 0
+    return res
+
+
+def child_layout(disabled: bool, layout: str, threads: int = 16, calls: int = 20, width: int = 256) -> dict[str, Any]:
+    torch = _setup()
+    sys.path.insert(0, HERE)
+    import torch._inductor.cudagraph_trees as cgt
+    from cudagraph_threads import Counts, _mlp, _total
+
+    counts = Counts(cgt)
+    torch.manual_seed(0)
+    models = [_mlp(torch, width, 2 * width).cuda().eval() for _ in range(threads if layout == "per_thread" else 1)]
+    shared = None if layout == "per_thread" else torch.compile(models[0], mode="reduce-overhead")
+    draws = Draws()
+    rows = [_new_row() for _ in range(threads + 1)]
+
+    def calls_in(i: int, model: Any, fn: Any) -> None:
+        row = rows[i]
+        for _ in range(calls):
+            try:
+                x = torch.rand(64, width, device="cuda")
+                draws.add(x)
+                with torch.no_grad():
+                    out = fn(x)
+                    ref = model(x)
+                row["calls"] += 1
+                row["mismatches"] += int(not torch.allclose(out, ref, rtol=1e-3, atol=1e-3))
+            except Exception as e:
+                row["errors"] += 1
+                row["kinds"][_kind(e)] += 1
+        row["replays"] = _total(counts.in_thread(threading.get_ident()), "replay")
+
+    if layout == "warm":
+        calls_in(threads, models[0], shared)
+    barrier = threading.Barrier(threads)
+
+    def worker(i: int) -> None:
+        model = models[i] if layout == "per_thread" else models[0]
+        fn = torch.compile(model, mode="reduce-overhead") if layout == "per_thread" else shared
+        barrier.wait(timeout=120)
+        calls_in(i, model, fn)
+
+    _run_threads(threads, worker)
+    workers = rows[:threads]
+    res = {"layout": layout, "threads": threads, "calls_per_thread": calls, **_summary(rows),
+           "repeats": draws.repeats(), "threads_with_replays": sum(1 for r in workers if r.get("replays", 0) > 0)}
+    res["ok"] = res["errors"] == 0 and res["mismatches"] == 0 and res["repeats"] == 0 and res["threads_with_replays"] == threads
+    return res
+
+
+def child_dropout(disabled: bool, drawers: int = 4, steps: int = 12, width: int = 128) -> dict[str, Any]:
+    torch = _setup()
+    fnn = torch.nn.functional
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(width, 4 * width), torch.nn.ReLU(), torch.nn.Dropout(0.5),
+                                torch.nn.Linear(4 * width, width)).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    cmodel = torch.compile(model, mode="reduce-overhead")
+    mask_fn = torch.compile(lambda x: fnn.dropout(x, 0.5, training=True), mode="reduce-overhead")
+    noise_fn = torch.compile(lambda x: x + torch.rand_like(x), mode="reduce-overhead")
+    draws, stop = Draws(), threading.Event()
+    rows = [_new_row() for _ in range(drawers + 1)]
+    masks: list[Any] = []
+    losses: list[float] = []
+
+    def trainer() -> None:
+        row = rows[drawers]
+        ones, zeros = torch.ones(4096, device="cuda"), torch.zeros(4096, device="cuda")
+        for _ in range(steps):
+            try:
+                torch.compiler.cudagraph_mark_step_begin()
+                x, y = torch.randn(32, width, device="cuda"), torch.randn(32, width, device="cuda")
+                loss = fnn.mse_loss(cmodel(x), y)
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                losses.append(float(loss))
+                m = mask_fn(ones).clone()
+                masks.append(m)
+                draws.add(noise_fn(zeros).clone())
+                row["calls"] += 1
+            except Exception as e:
+                row["errors"] += 1
+                row["kinds"][_kind(e)] += 1
+        stop.set()
+
+    def drawer(i: int) -> None:
+        row = rows[i]
+        while not stop.is_set():
+            try:
+                draws.add(torch.rand(4096, device="cuda"))
+                row["calls"] += 1
+            except Exception as e:
+                row["errors"] += 1
+                row["kinds"][_kind(e)] += 1
+                time.sleep(0.001)
+
+    ts = [threading.Thread(target=drawer, args=(i,)) for i in range(drawers)] + [threading.Thread(target=trainer)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(600)
+    stop.set()
+    same_masks = sum(1 for i in range(len(masks)) for j in range(i) if torch.equal(masks[i], masks[j]))
+    res = {"steps": steps, "drawers": drawers, **_summary(rows), "repeats": draws.repeats(), "masks": len(masks),
+           "equal_mask_pairs": same_masks, "losses_finite": all(v == v and abs(v) < 1e6 for v in losses),
+           "last_loss": losses[-1] if losses else None}
+    res["ok"] = (res["errors"] == 0 and res["repeats"] == 0 and len(masks) == steps and same_masks == 0 and res["losses_finite"])
+    return res
+
+
+def _llama(torch: Any) -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg).cuda().eval()
+
+
+def _serve(torch: Any, model: Any, workers: int, requests: int, prompts: Any, new_tokens: int, greedy_every: int) -> dict[str, Any]:
+    from transformers import StaticCache
+
+    local = threading.local()
+    rows = [_new_row() for _ in range(requests)]
+    greedy: dict[int, list[int]] = {}
+
+    def handle(i: int) -> None:
+        row = rows[i]
+        try:
+            cache = getattr(local, "cache", None)
+            if cache is None:  # one static cache per worker, reused (a shared one would mix requests)
+                cache = local.cache = StaticCache(config=model.config, max_cache_len=prompts.shape[1] + new_tokens + 8)
+            cache.reset()
+            sample = i % greedy_every != 0
+            with torch.no_grad():
+                out = model.generate(prompts[i % len(prompts)][None], past_key_values=cache, max_new_tokens=new_tokens,
+                                     min_new_tokens=new_tokens, do_sample=sample, top_k=50 if sample else None,
+                                     eos_token_id=None, pad_token_id=0, disable_compile=True)
+            row["calls"] += 1
+            if not sample:
+                greedy[i] = out[0, prompts.shape[1]:].tolist()
+        except Exception as e:
+            row["errors"] += 1
+            row["kinds"][_kind(e)] += 1
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        list(pool.map(handle, range(requests)))
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    ok_calls = sum(r["calls"] for r in rows)
+    return {"workers": workers, "requests": requests, **_summary(rows), "tokens_per_s": round(ok_calls * new_tokens / wall, 1),
+            "wall_s": round(wall, 2), "greedy": greedy}
+
+
+def child_server(disabled: bool, workers: int = 8, requests: int = 200, new_tokens: int = 24) -> dict[str, Any]:
+    torch = _setup()
+    try:
+        import transformers
+    except ImportError as e:
+        return {"skipped": f"transformers not importable: {e}", "ok": False}
+    model = _llama(torch)
+    g = torch.Generator().manual_seed(1)
+    prompts = torch.randint(3, 1024, (16, 16), generator=g).cuda()
+    eager_greedy = {}
+    with torch.no_grad():
+        for i in range(0, len(prompts)):
+            out = model.generate(prompts[i][None], max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                                 eos_token_id=None, pad_token_id=0, disable_compile=True)
+            eager_greedy[i] = out[0, prompts.shape[1]:].tolist()
+    model.forward = torch.compile(model.forward, mode="reduce-overhead")
+    one = _serve(torch, model, 1, max(24, requests // 8), prompts, new_tokens, 4)  # also warms the main path
+    many = _serve(torch, model, workers, requests, prompts, new_tokens, 4)
+    greedy_equal = sum(1 for i, toks in many["greedy"].items() if toks == eager_greedy[i % len(prompts)])
+    res = {"transformers": transformers.__version__, "workers": workers, "requests": requests, "new_tokens": new_tokens,
+           "errors": many["errors"] + one["errors"], "kinds": {**one["kinds"], **many["kinds"]},
+           "greedy_requests": len(many["greedy"]), "greedy_equal_eager": greedy_equal,
+           "tokens_per_s_1": one["tokens_per_s"], "tokens_per_s_n": many["tokens_per_s"],
+           "speedup": round(many["tokens_per_s"] / one["tokens_per_s"], 2) if one["tokens_per_s"] else None}
+    res["ok"] = res["errors"] == 0 and greedy_equal == len(many["greedy"]) and many["calls"] == requests
+    return res
+
+
+CHILDREN: dict[str, Callable[..., dict[str, Any]]] = {
+    "issue": child_issue,
+    **{f"layout_{name}": (lambda disabled, name=name, **kw: child_layout(disabled, name, **kw)) for name in LAYOUTS},
+    "dropout": child_dropout,
+    "server": child_server,
+}
+
+
+def child_main(name: str, kwargs: dict[str, Any], watchdog: float) -> None:
+    import faulthandler
+
+    faulthandler.dump_traceback_later(watchdog, exit=True)
+    disabled = bool(os.environ.get("TTC_DISABLE"))
+    t0 = time.time()
+    try:
+        res = CHILDREN[name](disabled, **kwargs)
+    except BaseException as e:
+        import traceback
+
+        res = {"ok": False, "exception": _kind(e), "traceback": traceback.format_exc()[-3000:]}
+    faulthandler.cancel_dump_traceback_later()
+    try:
+        import torch
+
+        res.update(torch=torch.__version__, device=torch.cuda.get_device_name(), patches=_patches(disabled))
+    except Exception as e:
+        res["env_error"] = _kind(e)
+    res["wall_s"] = round(time.time() - t0, 1)
+    print("RESULT " + json.dumps(res, default=str), flush=True)
+
+
+# =====================================================================================================
+# Parent side.
+# =====================================================================================================
+
+
+def _env(disabled: bool, cache: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TTC_")}
+    env.update(TORCHINDUCTOR_CACHE_DIR=cache, TRITON_CACHE_DIR=os.path.join(cache, "triton"), PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH", "")) if p)
+    env.setdefault("PYTHONWARNINGS", "ignore")
+    if disabled:
+        env["TTC_DISABLE"] = "1"
+    return env
+
+
+def run_child(job: dict[str, Any], out_dir: str | None) -> dict[str, Any]:
+    cache = tempfile.mkdtemp(prefix="ttc-rng-cache-")
+    cmd = [sys.executable, "-X", "faulthandler", os.path.abspath(__file__), "--child", job["name"],
+           "--child-args", json.dumps(job["kwargs"]), "--child-watchdog", str(job["timeout"])]
+    t0 = time.time()
+    try:
+        p = subprocess.run(cmd, env=_env(job["disabled"], cache), capture_output=True, text=True, timeout=job["timeout"] + 30, cwd=ROOT)
+        out, err, rc = p.stdout, p.stderr, p.returncode
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+        err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+        rc = None
+    shutil.rmtree(cache, ignore_errors=True)
+    row: dict[str, Any] = {"job": job["tag"], "scenario": job["name"], "package": "TTC_DISABLE=1" if job["disabled"] else "active",
+                           "job_wall_s": round(time.time() - t0, 1), "rc": rc}
+    results = [line[7:] for line in out.splitlines() if line.startswith("RESULT ")]
+    if results:
+        row.update(completed=True, **json.loads(results[-1]))
+    else:
+        row.update(completed=False, ok=False, hung=rc is None or "Timeout (" in err, tail=err[-1500:])
+    if out_dir and not row.get("ok"):
+        with open(os.path.join(out_dir, f"stderr-{job['tag']}.txt"), "w") as fh:
+            fh.write(err[-400000:])
+    return row
+
+
+def run_upstream(job: dict[str, Any], out_dir: str | None) -> dict[str, Any]:
+    row: dict[str, Any] = {"job": job["tag"], "scenario": "upstream", "package": "both"}
+    if not os.path.exists(UPSTREAM_FILE):
+        return {**row, "skipped": f"{os.path.relpath(UPSTREAM_FILE, ROOT)} is not in the tree", "ok": False}
+    js = os.path.join(out_dir or tempfile.mkdtemp(), "upstream_cudagraph_trees.json")
+    cmd = [sys.executable, os.path.join(HERE, "upstream_tests.py"), "--no-shared", "--files", "inductor/test_cudagraph_trees.py",
+           "--json", js, "--rerun", "2", "--timeout", str(job["timeout"])]
+    t0 = time.time()
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=2 * job["timeout"] + 120, cwd=ROOT)
+    row.update(rc=p.returncode, job_wall_s=round(time.time() - t0, 1), tail=p.stdout[-2500:], completed=True)
+    row["ok"] = p.returncode == 0  # 0: no test fails only with the package active
+    return row
+
+
+def plan(a: argparse.Namespace) -> list[dict[str, Any]]:
+    groups = set(a.only.split(",")) if a.only else set(GROUPS)
+    if groups - set(GROUPS):
+        raise SystemExit(f"--only: unknown {sorted(groups - set(GROUPS))}; choose from {','.join(GROUPS)}")
+    jobs: list[dict[str, Any]] = []
+
+    def add(name: str, timeout: float, **kwargs: Any) -> None:
+        for disabled in (True, False):
+            jobs.append({"name": name, "disabled": disabled, "timeout": timeout, "kwargs": kwargs,
+                         "tag": f"{name}-{'off' if disabled else 'on'}"})
+
+    if "server" in groups:  # longest first
+        add("server", a.timeout * 2, workers=a.workers, requests=a.requests)
+    if "dropout" in groups:
+        add("dropout", a.timeout)
+    if "layouts" in groups:
+        for name in LAYOUTS:
+            add(f"layout_{name}", a.timeout, threads=a.threads, calls=a.calls)
+    if "issue" in groups:
+        add("issue", a.timeout)
+    if "upstream" in groups:
+        jobs.append({"name": "upstream", "disabled": False, "timeout": a.upstream_timeout, "kwargs": {}, "tag": "upstream"})
+    return jobs
+
+
+def cuda_problem() -> str | None:
+    """Why this machine cannot run the bench (asked in a subprocess: torch's import noise stays out)."""
+    p = subprocess.run([sys.executable, "-c", "import torch; print(int(torch.cuda.is_available()))"],
+                       capture_output=True, text=True, timeout=300, env={**os.environ, "TTC_DISABLE": "1"})
+    if p.returncode != 0:
+        return f"torch does not import ({(p.stderr.strip().splitlines() or ['?'])[-1][:120]})"
+    return None if p.stdout.strip().endswith("1") else "torch.cuda.is_available() is False"
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "–"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, dict):
+        return "; ".join(f"{k} ×{n}" for k, n in v.items()) or "–"
+    return str(v)
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    cols = ("job", "ok", "calls", "errors", "threads_failing", "mismatches", "repeats", "threads_with_replays", "equal_mask_pairs",
+            "greedy_equal_eager", "tokens_per_s_1", "tokens_per_s_n", "wall_s")
+    out = ["| " + " | ".join(cols) + " | errors seen |", "|" + "---|" * (len(cols) + 1)]
+    for r in rows:
+        why = r.get("skipped") or r.get("kinds") or r.get("exception") or ("hung" if r.get("hung") else None)
+        out.append("| " + " | ".join(_fmt(r.get(c)) for c in cols) + f" | {_fmt(why)} |")
+    return "\n".join(out)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog="Groups: " + ", ".join(GROUPS))
+    ap.add_argument("--out", default=None, help="directory for cudagraph_rng.json and the stderr of failed runs")
+    ap.add_argument("--only", default="", help=f"comma-separated subset of {','.join(GROUPS)}")
+    ap.add_argument("--threads", type=int, default=16)
+    ap.add_argument("--calls", type=int, default=20)
+    ap.add_argument("--workers", type=int, default=8, help="server: thread-pool size")
+    ap.add_argument("--requests", type=int, default=200, help="server: requests with --workers workers")
+    ap.add_argument("--timeout", type=float, default=150, help="per run (server: 2x)")
+    ap.add_argument("--upstream-timeout", type=float, default=240, help="upstream: per file and mode")
+    ap.add_argument("--jobs", type=int, default=3, help="runs at a time (they share the GPU)")
+    ap.add_argument("--budget", type=float, default=420, help="start no run after this many seconds")
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--child-args", default="{}", help=argparse.SUPPRESS)
+    ap.add_argument("--child-watchdog", type=float, default=150, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.child:
+        child_main(a.child, json.loads(a.child_args), a.child_watchdog)
+        return 0
+    jobs = plan(a)
+    problem = cuda_problem()
+    if problem:
+        print(f"bench/cudagraph_rng.py: needs a CUDA device ({problem}); nothing run")
+        return 2
+    if a.out:
+        os.makedirs(a.out, exist_ok=True)
+    t0 = time.time()
+    print(json.dumps({"bench": "cudagraph_rng", "jobs": len(jobs), "parallel": a.jobs}), flush=True)
+
+    def one(job: dict[str, Any]) -> dict[str, Any]:
+        if time.time() - t0 > a.budget:
+            return {"job": job["tag"], "scenario": job["name"], "skipped": "budget", "ok": False}
+        row = run_upstream(job, a.out) if job["name"] == "upstream" else run_child(job, a.out)
+        print(json.dumps({k: v for k, v in row.items() if k not in ("traceback", "tail", "greedy")}, default=str), flush=True)
+        return row
+
+    with ThreadPoolExecutor(max_workers=max(1, a.jobs)) as pool:
+        rows = list(pool.map(one, jobs))
+    if a.out:
+        with open(os.path.join(a.out, "cudagraph_rng.json"), "w") as fh:
+            json.dump(rows, fh, indent=1, default=str)
+    print()
+    print(table(rows))
+    active = [r for r in rows if r.get("package") == "active"]
+    print(f"active: {sum(bool(r.get('ok')) for r in active)}/{len(active)} runs ok; total {time.time() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
