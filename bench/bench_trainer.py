@@ -390,10 +390,10 @@ def main() -> int:
              f"{f', {a.steps} steps' if a.steps else ''}, compile caches: {cache}\n\n")
     differ: List[Dict[str, Any]] = []  # layouts: threaded runs whose losses depart from their sequential run's
     if a.compare == "layouts":
-        from examples.specdec.cli import PRESETS
+        from examples.specdec import config
 
-        preset = PRESETS.get(a.preset, {})
-        pairs = parse_threads(a.threads or f"{preset.get('target_threads', 1)}+{preset.get('drafter_threads', 1)}")
+        preset = config.resolve({"preset": a.preset if a.preset in config.PRESETS else None})
+        pairs = parse_threads(a.threads or f"{preset.target_threads}+{preset.drafter_threads}")
         variants = [("", [])] + [parse_variant(v) for v in a.variant]
         results = compare_layouts(a.preset, pairs, base, env, work, a.timeout, budget, cache, variants=variants,
                                   loss_tol=a.loss_tol)

@@ -84,7 +84,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="target streams on a partition of N SMs, as the trainer's --target-sms")
     p.add_argument("--json", help="also write the results here")
     opts = p.parse_args(argv)
-    args = cli.resolve(cli.build_parser().parse_args(["--preset", opts.preset, "--devices", "cuda:0"]))
+    args = cli.parse(["--preset", opts.preset, "--devices", "cuda:0"])
     try:
         configs = [(int(t), int(d)) for t, d in (c.split("+") for c in opts.threads.split(","))] \
             if opts.threads else [(args.target_threads, args.drafter_threads)]

@@ -24,7 +24,7 @@ from typing import Callable, List
 import torch
 from _repo import ROOT  # noqa: F401  (makes examples.specdec importable)
 
-from examples.specdec import cli, masks
+from examples.specdec import config, masks
 from examples.specdec import data as data_mod
 
 
@@ -42,15 +42,15 @@ def per_batch_ms(fn: Callable[[int], object], batches: int, rounds: int, start: 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", default="cuda-small", choices=sorted(cli.PRESETS))
+    ap.add_argument("--preset", default="cuda-small", choices=sorted(config.PRESETS))
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--batches", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=5)
     a = ap.parse_args()
-    cfg = {**cli.DEFAULTS, **cli.PRESETS[a.preset]}
+    cfg = config.resolve({"preset": a.preset})
     device = torch.device(a.device)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    B, S, V, k = cfg["batch_size"], cfg["seq_len"], cfg["vocab_size"], cfg["ttt_steps"]
+    B, S, V, k = cfg.batch_size, cfg.seq_len, cfg.vocab_size, cfg.ttt_steps
     rows = [f"### Host time per batch: preset `{a.preset}` ({B} × {S}, k = {k}), device {device}, torch "
             f"{torch.__version__}", "", "| part | variant | host ms per batch |", "|---|---|---|"]
 

@@ -40,6 +40,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from . import graphs, metrics
+from .config import Config
 
 Event = Optional["torch.cuda.Event"]
 
@@ -391,8 +392,8 @@ class PhaseTimer:
 class Run:
     """State shared by all threads of one process."""
 
-    def __init__(self, args: Any, rank: int = 0, world: int = 1) -> None:
-        self.args, self.rank, self.world = args, rank, world
+    def __init__(self, cfg: Config, rank: int = 0, world: int = 1) -> None:
+        self.cfg, self.rank, self.world = cfg, rank, world
         self.stop = threading.Event()
         self.errors = metrics.ErrorLog()
         self.throughput = metrics.Throughput()
@@ -414,7 +415,7 @@ class Run:
             except Exception as e:
                 now = time.monotonic()
                 first_failure = first_failure if first_failure is not None else now
-                if self.args.error_policy == "raise" or now - first_failure > self.args.retry_timeout:
+                if self.cfg.error_policy == "raise" or now - first_failure > self.cfg.retry_timeout:
                     raise
                 self.errors.count(where, e)
                 time.sleep(pause)

@@ -31,27 +31,27 @@ from . import cli
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = cli.resolve(cli.build_parser().parse_args(argv))
-    problem = cli.validate(args)
+    cfg = cli.parse(argv)
+    problem = cli.validate(cfg)
     if problem:
         cli.fail(problem)
-    if args.no_ttc:
+    if cfg.no_ttc:
         cli.reexec_without_ttc()  # before torch is imported; returns only when TTC_DISABLE=1 already
     try:
         import torch
     except ImportError as e:
         cli.fail(f"torch is not importable ({e})")
     from . import metrics, trainer
-    problem = trainer.check_devices(args)
+    problem = trainer.check_devices(cfg)
     if problem:
         cli.fail(problem)
-    if args.dry_run:
-        print(json.dumps({"config": vars(args), "ttc_disable_env": os.environ.get("TTC_DISABLE"),
+    if cfg.dry_run:
+        print(json.dumps({"config": cfg.as_dict(), "ttc_disable_env": os.environ.get("TTC_DISABLE"),
                           "ttc": metrics.ttc_status(), "torch": torch.__version__}, default=str))
         return 0
     # A crash in native code (a segfault in a CUDA or compiler path) then still says where every thread was.
     faulthandler.enable(all_threads=True)
-    return trainer.run_training(args)
+    return trainer.run_training(cfg)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ Entered after the command line was validated (``cli.validate``), so everything h
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import copy
 import datetime
@@ -30,21 +29,22 @@ import torch
 
 from . import checkpoint, cli, flops, graphs, masks, metrics, models, runtime
 from . import data as data_mod
+from .config import Config
 from .runtime import Lane, PhaseTimer, Reducer, Run, StatsLog, worker
 
 
 # ------------------------------------------------------------------------------------------------- devices
-def check_devices(args: argparse.Namespace) -> str | None:
+def check_devices(cfg: Config) -> str | None:
     """CUDA requested but not there, a GPU index that does not exist, or an SM partition the GPU cannot make: one
     line, or None."""
-    spec = args.devices
+    spec = cfg.devices
     entries = cli.device_list(spec)
     if spec == "auto" and not torch.cuda.is_available():
-        for flag, wanted in (("--step-graphs", args.step_graphs), ("--target-sms", args.target_sms)):
+        for flag, wanted in (("--step-graphs", cfg.step_graphs), ("--target-sms", cfg.target_sms)):
             if wanted:
                 return f"{flag} needs CUDA, and --devices auto found none (torch {torch.__version__})"
     if spec != "auto" and any(e.startswith("cuda") for e in entries):
-        preset = f" (preset {args.preset})" if args.preset else ""
+        preset = f" (preset {cfg.preset})" if cfg.preset else ""
         if not torch.cuda.is_available():
             why = "this torch build has no CUDA" if torch.version.cuda is None else "no GPU is visible"
             return (f"--devices {spec}{preset} needs CUDA, but {why} (torch {torch.__version__}); "
@@ -53,11 +53,11 @@ def check_devices(args: argparse.Namespace) -> str | None:
         for e in entries:
             if ":" in e and int(e.split(":")[1]) >= n:
                 return f"--devices {spec}: {e} does not exist ({n} GPU(s) visible)"
-    if args.target_sms:
+    if cfg.target_sms:
         for dev in dict.fromkeys(d for d in parse_devices(spec) if d.type == "cuda"):
-            problem = runtime.sm_limit_problem(dev, args.target_sms)
+            problem = runtime.sm_limit_problem(dev, cfg.target_sms)
             if problem:
-                return f"--target-sms {args.target_sms}: {problem}"
+                return f"--target-sms {cfg.target_sms}: {problem}"
     return None
 
 
@@ -70,25 +70,25 @@ def parse_devices(spec: str) -> list[torch.device]:
 
 
 # ------------------------------------------------------------------------------------------------- set-up
-def build_data(args: argparse.Namespace, pin: bool = False):
+def build_data(cfg: Config, pin: bool = False):
     """The batch source; ``pin``: synthetic batches are made in pinned memory (for asynchronous uploads)."""
-    if args.data:
-        tok = data_mod.load_tokenizer(args.tokenizer or (args.target_hf if data_mod.has_tokenizer(args.target_hf) else None))
-        return data_mod.TextData(args.data, tok, args.batch_size, args.seq_len, seed=args.seed)
-    return data_mod.MarkovData(args.vocab_size, args.batch_size, args.seq_len, seed=args.seed, pin_memory=pin)
+    if cfg.data:
+        tok = data_mod.load_tokenizer(cfg.tokenizer or (cfg.target_hf if data_mod.has_tokenizer(cfg.target_hf) else None))
+        return data_mod.TextData(cfg.data, tok, cfg.batch_size, cfg.seq_len, seed=cfg.seed)
+    return data_mod.MarkovData(cfg.vocab_size, cfg.batch_size, cfg.seq_len, seed=cfg.seed, pin_memory=pin)
 
 
-def build_target(args: argparse.Namespace, data, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
-    if args.target_hf:
-        return models.HFTarget(args.target_hf).to(device=device, dtype=dtype)
-    use_prior = isinstance(data, data_mod.MarkovData) and args.prior_strength > 0
+def build_target(cfg: Config, data, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    if cfg.target_hf:
+        return models.HFTarget(cfg.target_hf).to(device=device, dtype=dtype)
+    use_prior = isinstance(data, data_mod.MarkovData) and cfg.prior_strength > 0
     prior = data.transition_logprobs() if use_prior else None
-    vocab = args.vocab_size if isinstance(data, data_mod.MarkovData) else max(args.vocab_size, data.vocab_size)
-    cfg = models.TargetConfig(vocab_size=vocab, dim=args.target_dim, layers=args.target_layers,
-                              heads=args.target_heads, ffn=args.target_ffn, seed=args.seed,
-                              prior_strength=args.prior_strength if use_prior else 0.0,
-                              kv_heads=args.target_kv_heads, rope_theta=args.rope_theta)
-    return models.TargetLM(cfg, prior, device=device, dtype=dtype).eval()
+    vocab = cfg.vocab_size if isinstance(data, data_mod.MarkovData) else max(cfg.vocab_size, data.vocab_size)
+    tcfg = models.TargetConfig(vocab_size=vocab, dim=cfg.target_dim, layers=cfg.target_layers,
+                              heads=cfg.target_heads, ffn=cfg.target_ffn, seed=cfg.seed,
+                              prior_strength=cfg.prior_strength if use_prior else 0.0,
+                              kv_heads=cfg.target_kv_heads, rope_theta=cfg.rope_theta)
+    return models.TargetLM(tcfg, prior, device=device, dtype=dtype).eval()
 
 
 def replicate_target(target: torch.nn.Module, device: torch.device) -> torch.nn.Module:
@@ -97,51 +97,51 @@ def replicate_target(target: torch.nn.Module, device: torch.device) -> torch.nn.
     return copy.deepcopy(target).to(device)
 
 
-def target_shape(args: argparse.Namespace, target: torch.nn.Module) -> flops.Shape:
+def target_shape(cfg: Config, target: torch.nn.Module) -> flops.Shape:
     if isinstance(target, models.HFTarget):
         return flops.Shape(target.vocab_size, target.dim, target.heads, target.kv_heads, target.ffn,
                            target.num_layers)
-    cfg = target.cfg
-    return flops.Shape(cfg.vocab_size, cfg.dim, cfg.heads, cfg.kv_heads or cfg.heads, cfg.ffn, cfg.layers)
+    tcfg = target.cfg
+    return flops.Shape(tcfg.vocab_size, tcfg.dim, tcfg.heads, tcfg.kv_heads or tcfg.heads, tcfg.ffn, tcfg.layers)
 
 
-def drafter_config(args: argparse.Namespace, target: torch.nn.Module) -> models.DrafterConfig:
-    s = target_shape(args, target)
+def drafter_config(cfg: Config, target: torch.nn.Module) -> models.DrafterConfig:
+    s = target_shape(cfg, target)
     return models.DrafterConfig(vocab_size=target.output_embedding().shape[0], dim=s.dim, heads=s.heads,
-                                ffn=s.ffn, ttt_steps=args.ttt_steps, kv_heads=s.kv_heads,
-                                rope_theta=getattr(target, "rope_theta", None) or args.rope_theta)
+                                ffn=s.ffn, ttt_steps=cfg.ttt_steps, kv_heads=s.kv_heads,
+                                rope_theta=getattr(target, "rope_theta", None) or cfg.rope_theta)
 
 
-def drafter_prototype(args: argparse.Namespace, target: torch.nn.Module, dcfg: models.DrafterConfig
+def drafter_prototype(cfg: Config, target: torch.nn.Module, dcfg: models.DrafterConfig
                       ) -> models.Drafter:
     """The drafter every replica copies: one seeded init (global RNG, on the CPU), so replicas are identical."""
-    torch.manual_seed(args.seed + 1)
-    buffer_dtype = torch.bfloat16 if args.autocast == "bf16" else torch.float32
+    torch.manual_seed(cfg.seed + 1)
+    buffer_dtype = torch.bfloat16 if cfg.autocast == "bf16" else torch.float32
     return models.Drafter(dcfg, target.input_embedding(), target.output_embedding(), buffer_dtype)
 
 
-def make_replica(args: argparse.Namespace, proto: models.Drafter, lane: Lane, loss_fn: Callable) -> Replica:
+def make_replica(cfg: Config, proto: models.Drafter, lane: Lane, loss_fn: Callable) -> Replica:
     """A copy of ``proto`` on the lane's device with its AdamW (fused on CUDA unless ``--no-fused-optimizer``;
     capturable with ``--step-graphs``)."""
     model = copy.deepcopy(proto).to(lane.device)
-    opt_kw: dict[str, Any] = dict(fused=True) if lane.device.type == "cuda" and args.fused_optimizer else {}
-    if args.step_graphs:
+    opt_kw: dict[str, Any] = dict(fused=True) if lane.device.type == "cuda" and cfg.fused_optimizer else {}
+    if cfg.step_graphs:
         opt_kw["capturable"] = True  # step counts on the device: an update that can be replayed
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, **opt_kw)
-    return Replica(model, opt, lane, args.ttt_steps, args, loss_fn)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, **opt_kw)
+    return Replica(model, opt, lane, cfg.ttt_steps, cfg, loss_fn)
 
 
-def maybe_compile(args: argparse.Namespace, fn: Callable, mode: str = "default") -> Callable:
-    if args.no_compile:
+def maybe_compile(cfg: Config, fn: Callable, mode: str = "default") -> Callable:
+    if cfg.no_compile:
         return fn
-    kwargs: dict[str, Any] = dict(backend=args.compile_backend, dynamic=False)
+    kwargs: dict[str, Any] = dict(backend=cfg.compile_backend, dynamic=False)
     if mode != "default":
         kwargs["mode"] = mode
     return torch.compile(fn, **kwargs)
 
 
-def autocast(args: argparse.Namespace, device: torch.device):
-    if args.autocast == "bf16":
+def autocast(cfg: Config, device: torch.device):
+    if cfg.autocast == "bf16":
         return torch.autocast(device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
 
@@ -171,23 +171,23 @@ class EvalSet:
 
     @classmethod
     @torch.no_grad()
-    def build(cls, args: argparse.Namespace, data, target: torch.nn.Module, device: torch.device) -> EvalSet:
+    def build(cls, cfg: Config, data, target: torch.nn.Module, device: torch.device) -> EvalSet:
         """Eager and dense-masked on purpose: built once, before any worker thread starts."""
         block_fn = getattr(target, "block_fn", None)
         if block_fn is not None:  # a compiled layer would recompile for every generated length
             target.block_fn = None
         try:
-            return cls._build(args, data, target, device)
+            return cls._build(cfg, data, target, device)
         finally:
             if block_fn is not None:
                 target.block_fn = block_fn
 
     @classmethod
     @torch.no_grad()
-    def _build(cls, args: argparse.Namespace, data, target: torch.nn.Module, device: torch.device) -> EvalSet:
-        k = args.ttt_steps
-        toks = data.prompts(args.eval_prompts, args.eval_prompt_len, seed=args.seed + 1).to(device)
-        for _ in range(args.eval_gen_len + k + 1):
+    def _build(cls, cfg: Config, data, target: torch.nn.Module, device: torch.device) -> EvalSet:
+        k = cfg.ttt_steps
+        toks = data.prompts(cfg.eval_prompts, cfg.eval_prompt_len, seed=cfg.seed + 1).to(device)
+        for _ in range(cfg.eval_gen_len + k + 1):
             b, s = toks.shape
             pos = torch.arange(s, device=device).expand(b, s)
             mask = masks.dense_mask(masks.document_causal_mod(torch.zeros_like(toks)), b, s, s, device)
@@ -198,29 +198,29 @@ class EvalSet:
         pos = torch.arange(s, device=device).expand(b, s).contiguous()
         mask = masks.dense_mask(masks.document_causal_mod(doc), b, s, s, device)
         fused, _, _ = models.target_features(target, toks, pos, mask, 1)
-        if args.autocast == "off":
+        if cfg.autocast == "off":
             fused = fused.float()
-        return cls(toks, pos, fused, mask, k, first=args.eval_prompt_len - 1, last=s - k - 2)
+        return cls(toks, pos, fused, mask, k, first=cfg.eval_prompt_len - 1, last=s - k - 2)
 
-    def evaluate(self, drafter: models.Drafter, args: argparse.Namespace) -> dict[str, object]:
-        with autocast(args, self.tokens.device):
+    def evaluate(self, drafter: models.Drafter, cfg: Config) -> dict[str, object]:
+        with autocast(cfg, self.tokens.device):
             proposals = models.draft_greedy(drafter, self.fused, self.tokens, self.pos, self.mask, self.steps)
         return metrics.acceptance(proposals, self.tokens, self.first, self.last)
 
 
-def lr_at(args: argparse.Namespace, step: int) -> float:
+def lr_at(cfg: Config, step: int) -> float:
     """Linear warm-up then cosine decay to 10 %; a pure function of the step, so resume needs no scheduler state."""
-    if step < args.warmup:
-        return args.lr * (step + 1) / args.warmup
-    frac = (step - args.warmup) / max(1, args.steps - args.warmup)
-    return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    frac = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
 
 
-def inject_fault(args: argparse.Namespace, thread: str, step: int) -> None:
+def inject_fault(cfg: Config, thread: str, step: int) -> None:
     """``--inject-fault``: fail or hang on purpose, to exercise shutdown and the hang watchdog."""
-    if not args.inject_fault:
+    if not cfg.inject_fault:
         return
-    kind, where, at = args.inject_fault.split(":")
+    kind, where, at = cfg.inject_fault.split(":")
     if where == thread and int(at) == step:
         if kind == "error":
             raise RuntimeError(f"injected fault in {thread} thread at step {step}")
@@ -249,7 +249,7 @@ class Replica:
     rate is then a tensor on the device (a captured update reads it at every replay)."""
 
     def __init__(self, model: models.Drafter, opt: torch.optim.Optimizer, lane: Lane, k: int,
-                 args: argparse.Namespace, loss_fn: Callable) -> None:
+                 cfg: Config, loss_fn: Callable) -> None:
         self.model, self.opt, self.lane, self.k = model, opt, lane, k
         params = list(model.parameters())
         self.n_grad = sum(p.numel() for p in params)
@@ -260,11 +260,11 @@ class Replica:
             offset += p.numel()
         self.completed = 0  # last step whose optimizer update finished
         self.updating = False
-        self.fwd_bwd = self._fwd_bwd_fn(args, loss_fn)
+        self.fwd_bwd = self._fwd_bwd_fn(cfg, loss_fn)
         self.fb_graph: graphs.StepGraph | None = None
         self.update_graph: graphs.StepGraph | None = None
         self.lr: torch.Tensor | None = None
-        if args.step_graphs:
+        if cfg.step_graphs:
             self.lr = torch.full((), float(opt.param_groups[0]["lr"]), device=lane.device)
             self.bind_lr()
             self.fb_graph = graphs.StepGraph(self.fwd_bwd, lane.stream)
@@ -276,19 +276,19 @@ class Replica:
             for group in self.opt.param_groups:
                 group["lr"] = self.lr
 
-    def _fwd_bwd_fn(self, args: argparse.Namespace, loss_fn: Callable) -> Callable[..., None]:
+    def _fwd_bwd_fn(self, cfg: Config, loss_fn: Callable) -> Callable[..., None]:
         """The mask, loss, backward (into the flat buffer) and the batch's statistics, from the batch's tensors."""
         k, n_grad = self.k, self.n_grad
-        mark_step = args.drafter_compile_mode == "reduce-overhead" and not args.no_compile
+        mark_step = cfg.drafter_compile_mode == "reduce-overhead" and not cfg.no_compile
 
         def fwd_bwd(fused, vals, idx, packed) -> None:
             tokens, doc, pos = packed.unbind(0)
-            if args.autocast == "off" and fused.dtype != torch.float32:
+            if cfg.autocast == "off" and fused.dtype != torch.float32:
                 fused = fused.float()
             mask = masks.target_mask(doc)  # document-causal: every TTT step's mask (models.Drafter.step)
             if mark_step:
                 torch.compiler.cudagraph_mark_step_begin()  # the stats output is consumed before the next replay
-            with autocast(args, self.lane.device):
+            with autocast(cfg, self.lane.device):
                 loss, stats = loss_fn(self.model, fused, tokens, pos, doc, vals, idx, mask, k)
             loss.backward()
             self.flat[n_grad:n_grad + 1 + k].add_(stats)
@@ -320,17 +320,17 @@ class Replica:
 
 
 # ------------------------------------------------------------------------------------------------ training
-def run_training(args: argparse.Namespace) -> int:
+def run_training(cfg: Config) -> int:
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    devices = parse_devices(args.devices)
+    devices = parse_devices(cfg.devices)
     cuda = devices[0].type == "cuda"
-    if not cuda or args.torch_threads:
-        torch.set_num_threads(args.torch_threads or 1)
+    if not cuda or cfg.torch_threads:
+        torch.set_num_threads(cfg.torch_threads or 1)
     if cuda:
         torch.set_float32_matmul_precision("high")  # TF32 for whatever stays float32
-    masks.BUILDER = args.mask_builder
-    T, D = args.target_threads, args.drafter_threads
-    if args.layout == "threaded":
+    masks.BUILDER = cfg.mask_builder
+    T, D = cfg.target_threads, cfg.drafter_threads
+    if cfg.layout == "threaded":
         t_dev = [devices[j % len(devices)] for j in range(T)]
         d_dev = [devices[(T + d) % len(devices)] for d in range(D)]
     else:  # one worker per device (at most one per batch of the step), each running target and drafter
@@ -342,18 +342,18 @@ def run_training(args: argparse.Namespace) -> int:
         backend = "nccl" if cuda else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(d_dev[0])
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.dist_timeout))
-    out = Path(args.out) if args.out and rank == 0 else None
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.dist_timeout))
+    out = Path(cfg.out) if cfg.out and rank == 0 else None
     log = metrics.MetricsLog(out / "metrics.jsonl" if out else None)
-    target_dtype = torch.bfloat16 if args.target_dtype == "bfloat16" else torch.float32
+    target_dtype = torch.bfloat16 if cfg.target_dtype == "bfloat16" else torch.float32
     out_dtype = target_dtype if target_dtype != torch.float32 else None
-    k = args.ttt_steps
+    k = cfg.ttt_steps
 
-    data = build_data(args, pin=cuda and args.pin_memory)
+    data = build_data(cfg, pin=cuda and cfg.pin_memory)
     first_dev = t_dev[0]
-    target0 = build_target(args, data, first_dev, target_dtype)
-    dcfg = drafter_config(args, target0)
-    topk = args.target_topk if 0 < args.target_topk < dcfg.vocab_size else 0
+    target0 = build_target(cfg, data, first_dev, target_dtype)
+    dcfg = drafter_config(cfg, target0)
+    topk = cfg.target_topk if 0 < cfg.target_topk < dcfg.vocab_size else 0
 
     # One frozen target (and one compiled forward) per device, shared by the target threads on that device.
     placed: dict[torch.device, torch.nn.Module] = {first_dev: target0}
@@ -364,8 +364,8 @@ def run_training(args: argparse.Namespace) -> int:
         return placed[dev]
 
     target_fns: dict[torch.device, Callable] = {}
-    per_layer = args.target_compile_scope == "layer" and isinstance(target0, models.TargetLM)
-    block_fn = maybe_compile(args, models.call_block, args.target_compile_mode) if per_layer else None
+    per_layer = cfg.target_compile_scope == "layer" and isinstance(target0, models.TargetLM)
+    block_fn = maybe_compile(cfg, models.call_block, cfg.target_compile_mode) if per_layer else None
     for dev in dict.fromkeys(t_dev):
         def fwd(tokens, pos, mask, tgt=target_on(dev)):
             return models.target_features(tgt, tokens, pos, mask, topk, out_dtype)
@@ -374,54 +374,54 @@ def run_training(args: argparse.Namespace) -> int:
             target_on(dev).block_fn = block_fn
             target_fns[dev] = fwd
         else:
-            target_fns[dev] = maybe_compile(args, fwd, args.target_compile_mode)
+            target_fns[dev] = maybe_compile(cfg, fwd, cfg.target_compile_mode)
 
-    proto = drafter_prototype(args, target0, dcfg)
-    threaded = args.layout == "threaded"
-    lanes = [Lane(dev, args.streams, threaded and args.stream_priority == "drafter") for dev in d_dev]
-    loss_fn = maybe_compile(args, models.ttt_loss, args.drafter_compile_mode)
-    replicas = [make_replica(args, proto, lane, loss_fn) for lane in lanes]
+    proto = drafter_prototype(cfg, target0, dcfg)
+    threaded = cfg.layout == "threaded"
+    lanes = [Lane(dev, cfg.streams, threaded and cfg.stream_priority == "drafter") for dev in d_dev]
+    loss_fn = maybe_compile(cfg, models.ttt_loss, cfg.drafter_compile_mode)
+    replicas = [make_replica(cfg, proto, lane, loss_fn) for lane in lanes]
     del proto
     start_step = 0
-    if args.resume:
-        ckpt = checkpoint.find(Path(args.resume))
+    if cfg.resume:
+        ckpt = checkpoint.find(Path(cfg.resume))
         for rep in replicas:
             start_step = checkpoint.load(ckpt, rep.model, rep.opt)
             rep.bind_lr()
             rep.completed = start_step
         print(f"resumed from {ckpt} at step {start_step}", flush=True)
-        if start_step >= args.steps:
-            print(f"train.py: error: --resume {args.resume} is at step {start_step}, not before --steps "
-                  f"{args.steps}: nothing to train", file=sys.stderr, flush=True)
+        if start_step >= cfg.steps:
+            print(f"train.py: error: --resume {cfg.resume} is at step {start_step}, not before --steps "
+                  f"{cfg.steps}: nothing to train", file=sys.stderr, flush=True)
             return 2
-    evalset = EvalSet.build(args, data, target_on(d_dev[0]), d_dev[0]) if rank == 0 else None
+    evalset = EvalSet.build(cfg, data, target_on(d_dev[0]), d_dev[0]) if rank == 0 else None
 
-    run = Run(args, rank=rank, world=world)
+    run = Run(cfg, rank=rank, world=world)
     n_grad = replicas[0].n_grad
 
     def clip(total: torch.Tensor) -> None:
         g = total[:n_grad]
         norm = g.norm()
         total[-1] = norm
-        if args.grad_clip > 0:
-            g.mul_(torch.clamp(args.grad_clip / (norm + 1e-6), max=1.0))
+        if cfg.grad_clip > 0:
+            g.mul_(torch.clamp(cfg.grad_clip / (norm + 1e-6), max=1.0))
 
-    run.reducer = Reducer(len(replicas), D, world, clip, graph=bool(args.step_graphs))
-    tokens_per_batch = args.batch_size * args.seq_len
+    run.reducer = Reducer(len(replicas), D, world, clip, graph=bool(cfg.step_graphs))
+    tokens_per_batch = cfg.batch_size * cfg.seq_len
     summary: dict[str, Any] = {"tau_initial": None, "tau_final": None}
     leader = replicas[0]
-    stats_log = StatsLog(leader.lane, args.pin_memory)
+    stats_log = StatsLog(leader.lane, cfg.pin_memory)
     timer = PhaseTimer(cuda)
-    mark_after = start_step + args.measure_after
+    mark_after = start_step + cfg.measure_after
     prof_range = None
-    if args.profile and rank == 0:
-        a, b = (int(x) for x in (args.profile_steps or f"{mark_after + 1}:{mark_after + 6}").split(":"))
+    if cfg.profile and rank == 0:
+        a, b = (int(x) for x in (cfg.profile_steps or f"{mark_after + 1}:{mark_after + 6}").split(":"))
         prof_range = (a, b)
     profiler: list[Any] = []
     saved: dict[str, Any] = {"step": None}
 
     if evalset is not None:
-        ev = evalset.evaluate(leader.model, args)
+        ev = evalset.evaluate(leader.model, cfg)
         summary["tau_initial"] = ev["tau"]
         log.write({"kind": "eval", "step": start_step, **ev})
         print(f"τ of the drafter at step {start_step} (before training): {ev['tau']:.3f}  accept={ev['accept']}",
@@ -430,11 +430,11 @@ def run_training(args: argparse.Namespace) -> int:
         # Worker streams do not wait for the default streams, on which everything above was built.
         graphs.synchronize(devices)
     keys = mean_attended_keys(data)
-    flop_counts = {"target": flops.target_flops_per_token(target_shape(args, target0), keys),
+    flop_counts = {"target": flops.target_flops_per_token(target_shape(cfg, target0), keys),
                    "drafter": flops.drafter_flops_per_token(
                        flops.Shape(dcfg.vocab_size, dcfg.dim, dcfg.heads, dcfg.kv_heads or dcfg.heads, dcfg.ffn),
                        k, keys)}
-    progress = metrics.Progress(args.steps, start_step, args.log_every) if rank == 0 else None
+    progress = metrics.Progress(cfg.steps, start_step, cfg.log_every) if rank == 0 else None
 
     def write_records(items, taus: dict[int, float]) -> None:
         for step, vals, extra in items:
@@ -447,7 +447,7 @@ def run_training(args: argparse.Namespace) -> int:
             if step in taus:
                 info["tau"] = f"{taus[step]:.2f}"
             if progress is not None:
-                progress.update(step, args.steps, info)
+                progress.update(step, cfg.steps, info)
 
     def after_step(step: int) -> None:
         """Leader only, after optimizer step ``step`` was issued: measurement marks, logging, evaluation,
@@ -456,7 +456,7 @@ def run_training(args: argparse.Namespace) -> int:
             if cuda:
                 graphs.synchronize(devices)
             run.throughput.mark()
-        if step == args.steps:
+        if step == cfg.steps:
             if cuda:
                 graphs.synchronize(devices)
             run.throughput.close()
@@ -464,42 +464,42 @@ def run_training(args: argparse.Namespace) -> int:
             if step == prof_range[0] and not profiler:
                 profiler.append(start_profiler(cuda))
             elif step == prof_range[1] and profiler:
-                stop_profiler(profiler.pop(), Path(args.profile), cuda)
+                stop_profiler(profiler.pop(), Path(cfg.profile), cuda)
         if rank != 0:
             return
-        stats_log.push(step, leader.flat[n_grad:], {"lr": lr_at(args, step - 1),
+        stats_log.push(step, leader.flat[n_grad:], {"lr": lr_at(cfg, step - 1),
                                                      "elapsed_s": round(time.monotonic() - run.throughput.start, 2)})
         taus: dict[int, float] = {}
-        eval_due = evalset is not None and ((args.eval_every and step % args.eval_every == 0) or step == args.steps)
-        save_due = out is not None and not args.no_checkpoint and (
-            step == args.steps or (args.save_every and step % args.save_every == 0))
+        eval_due = evalset is not None and ((cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps)
+        save_due = out is not None and not cfg.no_checkpoint and (
+            step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0))
         if eval_due:
-            ev = evalset.evaluate(leader.model, args)
+            ev = evalset.evaluate(leader.model, cfg)
             summary["tau_final"] = ev["tau"]
             log.write({"kind": "eval", "step": step, **ev})
             taus[step] = ev["tau"]
         write_records(stats_log.drain(wait=eval_due or save_due), taus)
         if save_due:
-            save_checkpoint(out, leader, step, args, D * world)
+            save_checkpoint(out, leader, step, cfg, D * world)
             saved["step"] = step
 
     # --host-lock: one thread at a time issues a target forward or a drafter forward/backward (never held while
     # waiting for a queue or a barrier). Without it, every torch call releases the GIL and another thread takes
     # it, so threads hand the interpreter to each other thousands of times per step; with it, the threads that
     # wait sleep on the lock and the one issuing work keeps the GIL between its calls.
-    host_lock = threading.Lock() if args.host_lock and args.layout == "threaded" else contextlib.nullcontext()
+    host_lock = threading.Lock() if cfg.host_lock and cfg.layout == "threaded" else contextlib.nullcontext()
 
     def target_loop(j: int) -> None:
         lane = t_lanes[j]
-        call = TargetCall(args, target_fns[t_dev[j]], lane)
+        call = TargetCall(cfg, target_fns[t_dev[j]], lane)
         with lane.context():
             n = start_step * D + (j - start_step * D) % T  # local batch numbers n ≡ j (mod T), in increasing order
-            while n < args.steps * D:
+            while n < cfg.steps * D:
                 s, d = divmod(n, D)
                 if j == 0:
-                    inject_fault(args, "target", s)
+                    inject_fault(cfg, "target", s)
                 with host_lock:
-                    feats = target_step(run, args, data, call, lane, (s * world + rank) * D + d, s, timer)
+                    feats = target_step(run, cfg, data, call, lane, (s * world + rank) * D + d, s, timer)
                     ready = lane.record()
                 run.put(queues[d], (n, feats, ready))
                 run.throughput.add("target", tokens_per_batch)
@@ -509,10 +509,10 @@ def run_training(args: argparse.Namespace) -> int:
         rep = replicas[d]
         with rep.lane.context():
             pending: dict[int, tuple] = {}
-            for s in range(start_step, args.steps):
+            for s in range(start_step, cfg.steps):
                 n = s * D + d
                 if d == 0:
-                    inject_fault(args, "drafter", s)
+                    inject_fault(cfg, "drafter", s)
                 while n not in pending:
                     got_n, item, ev = run.get(queues[d])
                     pending[got_n] = (item, ev)
@@ -524,7 +524,7 @@ def run_training(args: argparse.Namespace) -> int:
                     rep.forward_backward(run, feats, first=True)
                     rep.lane.release(feats)  # referenced until this stream has read them (not record_stream)
                     del feats
-                rep.update(run, d, s, lr_at(args, s))
+                rep.update(run, d, s, lr_at(cfg, s))
                 timer.stop("drafter", s + 1, started)
                 run.throughput.add("drafter", tokens_per_batch)
                 if d == 0:
@@ -534,21 +534,21 @@ def run_training(args: argparse.Namespace) -> int:
 
     def sequential_loop(w: int) -> None:
         rep = replicas[w]
-        call = TargetCall(args, target_fns[d_dev[w]], rep.lane)
+        call = TargetCall(cfg, target_fns[d_dev[w]], rep.lane)
         mine = [d for d in range(D) if d % len(replicas) == w]
         with rep.lane.context():
-            for s in range(start_step, args.steps):
+            for s in range(start_step, cfg.steps):
                 if w == 0:
-                    inject_fault(args, "target", s)
-                    inject_fault(args, "drafter", s)
+                    inject_fault(cfg, "target", s)
+                    inject_fault(cfg, "drafter", s)
                 for m, d in enumerate(mine):
-                    feats = target_step(run, args, data, call, rep.lane, (s * world + rank) * D + d, s, timer)
+                    feats = target_step(run, cfg, data, call, rep.lane, (s * world + rank) * D + d, s, timer)
                     run.throughput.add("target", tokens_per_batch)
                     started = timer.start(s)  # drafter interval per batch; the last one includes the update
                     rep.forward_backward(run, feats, first=(m == 0))
                     del feats
                     if m == len(mine) - 1:
-                        rep.update(run, w, s, lr_at(args, s))
+                        rep.update(run, w, s, lr_at(cfg, s))
                     timer.stop("drafter", s + 1, started)
                 run.throughput.add("drafter", tokens_per_batch * len(mine))
                 if w == 0:
@@ -556,25 +556,25 @@ def run_training(args: argparse.Namespace) -> int:
                     run.steps_done = s + 1
                     run.last_progress = time.monotonic()
 
-    if args.layout == "threaded":
-        t_lanes = [Lane(dev, args.streams, args.stream_priority == "target", args.target_sms) for dev in t_dev]
-        queues = [queue.Queue(maxsize=args.queue_size) for _ in range(D)]
+    if cfg.layout == "threaded":
+        t_lanes = [Lane(dev, cfg.streams, cfg.stream_priority == "target", cfg.target_sms) for dev in t_dev]
+        queues = [queue.Queue(maxsize=cfg.queue_size) for _ in range(D)]
         threads = [worker(run, f"target-{j}@{t_dev[j]}", lambda j=j: target_loop(j)) for j in range(T)]
         threads += [worker(run, f"drafter-{d}@{d_dev[d]}", lambda d=d: drafter_loop(d)) for d in range(D)]
     else:
         threads = [worker(run, f"sequential-{w}@{d_dev[w]}", lambda w=w: sequential_loop(w))
                    for w in range(len(replicas))]
     util = None
-    if cuda and args.gpu_util == "auto":
+    if cuda and cfg.gpu_util == "auto":
         util = metrics.GpuUtil(sorted({d.index for d in list(t_dev) + list(d_dev)}))
     run.gpu_util = util
-    if args.measure_after == 0:
+    if cfg.measure_after == 0:
         run.throughput.mark()
     status = supervise(run, threads)
     if progress is not None:
         progress.close()
     for p in profiler:
-        stop_profiler(p, Path(args.profile), cuda)
+        stop_profiler(p, Path(cfg.profile), cuda)
 
     # ------------------------------------------------------------------------------------------- summary
     sync_error = None
@@ -589,9 +589,9 @@ def run_training(args: argparse.Namespace) -> int:
     if rank == 0 and sync_error is None:
         write_records(stats_log.drain(wait=True), {})
     kept: tuple[str, int] | None = None
-    if status == "error" and out is not None and not args.no_checkpoint:
+    if status == "error" and out is not None and not cfg.no_checkpoint:
         if sync_error is None:
-            kept = emergency_checkpoint(out, replicas, saved.get("step"), start_step, args, D * world)
+            kept = emergency_checkpoint(out, replicas, saved.get("step"), start_step, cfg, D * world)
         elif saved.get("step") is not None:
             kept = (str(out / f"ckpt-{saved['step']:06d}"), saved["step"])
     checksum = float(sum(p.detach().double().sum().cpu() for p in leader.model.parameters())) if sync_error is None else float("nan")
@@ -602,8 +602,8 @@ def run_training(args: argparse.Namespace) -> int:
         peak_reserved = sum(torch.cuda.max_memory_reserved(d) for d in dict.fromkeys(devices))
     tp = run.throughput.summary()
     gpus = len({d for d in list(t_dev) + list(d_dev) if d.type == "cuda"})
-    peak_t = {kind: (args.peak_tflops or (flops.peak_tflops(torch.cuda.get_device_name(devices[0]), bf16) if cuda else None))
-              for kind, bf16 in (("target", target_dtype == torch.bfloat16), ("drafter", args.autocast == "bf16"))}
+    peak_t = {kind: (cfg.peak_tflops or (flops.peak_tflops(torch.cuda.get_device_name(devices[0]), bf16) if cuda else None))
+              for kind, bf16 in (("target", target_dtype == torch.bfloat16), ("drafter", cfg.autocast == "bf16"))}
     mfu = {kind: flops.mfu(flop_counts[kind], (tp.get(kind) or {}).get("steady_tokens_per_s"), peak_t[kind], gpus)
            for kind in ("target", "drafter")}
     phases = timer.summary(mark_after) if cuda and sync_error is None else {}
@@ -618,9 +618,9 @@ def run_training(args: argparse.Namespace) -> int:
     gpu_util = util.mean(run.throughput.window()) if util is not None else None
     first = run.errors.first_exc
     summary.update({
-        "status": status, "layout": args.layout, "steps_done": run.steps_done, "start_step": start_step,
-        "steps": args.steps, "rank": rank, "world_size": world,
-        "threads": {"target": T, "drafter": D} if args.layout == "threaded" else {"sequential": len(replicas)},
+        "status": status, "layout": cfg.layout, "steps_done": run.steps_done, "start_step": start_step,
+        "steps": cfg.steps, "rank": rank, "world_size": world,
+        "threads": {"target": T, "drafter": D} if cfg.layout == "threaded" else {"sequential": len(replicas)},
         "devices": {"target": [str(x) for x in t_dev], "drafter": [str(x) for x in d_dev]},
         "throughput": tp, "mfu": mfu, "gpu_util_pct": gpu_util,
         "gpu_util_source": (util.source or util.reason) if util is not None else None,
@@ -631,7 +631,7 @@ def run_training(args: argparse.Namespace) -> int:
         "peak_gpu_reserved_bytes": peak_reserved, "param_checksum": checksum,
         "ttc_disable_env": os.environ.get("TTC_DISABLE"), "ttc": metrics.ttc_status(),
         "torch": torch.__version__, "wall_s": round(time.monotonic() - run.throughput.start, 2),
-        "config": {k_: v for k_, v in vars(args).items()},
+        "config": cfg.as_dict(),
     })
     if out is not None:
         note = metrics.plot(log.records, out / "metrics.png")
@@ -661,10 +661,10 @@ class TargetCall:
     ``--step-graphs``, as one ``graphs.StepGraph`` of mask and forward. Graph outputs are overwritten by the next
     replay, so those are copied before they go to a drafter."""
 
-    def __init__(self, args: argparse.Namespace, fn: Callable, lane: Lane) -> None:
-        self.fn, self.dense = fn, bool(args.target_hf)
-        self.cudagraphs = args.target_compile_mode == "reduce-overhead" and not args.no_compile
-        self.graph = graphs.StepGraph(self._forward, lane.stream) if args.step_graphs else None
+    def __init__(self, cfg: Config, fn: Callable, lane: Lane) -> None:
+        self.fn, self.dense = fn, bool(cfg.target_hf)
+        self.cudagraphs = cfg.target_compile_mode == "reduce-overhead" and not cfg.no_compile
+        self.graph = graphs.StepGraph(self._forward, lane.stream) if cfg.step_graphs else None
 
     def _forward(self, packed: torch.Tensor) -> tuple[torch.Tensor, ...]:
         tokens, doc, pos = packed.unbind(0)
@@ -681,26 +681,26 @@ class TargetCall:
         return self._forward(packed)
 
 
-def target_step(run: Run, args: argparse.Namespace, data, call: TargetCall, lane: Lane, index: int, step: int,
+def target_step(run: Run, cfg: Config, data, call: TargetCall, lane: Lane, index: int, step: int,
                 timer: PhaseTimer) -> tuple[torch.Tensor, ...]:
     """One target forward on the lane: data (a pure function of ``index``), mask, compiled forward. Returns what
     the drafter step takes: ``(fused, vals, idx, packed)``."""
-    packed = upload(data.batch(index), lane, args.pin_memory)
+    packed = upload(data.batch(index), lane, cfg.pin_memory)
     started = timer.start(step)
     fused, vals, idx = run.call("target", lambda: call(packed))
     timer.stop("target", step + 1, started)
     return fused, vals, idx, packed
 
 
-def save_checkpoint(out: Path, rep: Replica, step: int, args: argparse.Namespace, batches_per_step: int) -> str:
+def save_checkpoint(out: Path, rep: Replica, step: int, cfg: Config, batches_per_step: int) -> str:
     path = out / f"ckpt-{step:06d}"
     checkpoint.save(path, rep.model, rep.opt, step, {"data_position": step * batches_per_step,
-                                                     "config": vars(args)})
+                                                     "config": cfg.as_dict()})
     return str(path)
 
 
 def emergency_checkpoint(out: Path, replicas: list[Replica], saved_step: int | None, start_step: int,
-                         args: argparse.Namespace, batches_per_step: int) -> tuple[str, int] | None:
+                         cfg: Config, batches_per_step: int) -> tuple[str, int] | None:
     """After a thread died: the state of the last step the replicas completed (replicas are identical after a
     completed step; one caught inside its optimizer update is skipped), unless that step is already saved.
     Returns (path, step) of the checkpoint that holds the last completed step, or None."""
@@ -713,7 +713,7 @@ def emergency_checkpoint(out: Path, replicas: list[Replica], saved_step: int | N
     if rep.completed <= start_step:
         return None
     try:
-        return save_checkpoint(out, rep, rep.completed, args, batches_per_step), rep.completed
+        return save_checkpoint(out, rep, rep.completed, cfg, batches_per_step), rep.completed
     except Exception as e:  # the device may be unusable after the failure
         print(f"checkpoint of step {rep.completed} not written: {one_line(e)}", file=sys.stderr, flush=True)
         return None
@@ -783,7 +783,7 @@ def short_summary(s: dict[str, Any], out: Path | None) -> dict[str, Any]:
 def supervise(run: Run, threads: list[threading.Thread]) -> str:
     """Main thread: start workers, watch for hangs, handle Ctrl-C. Returns 'ok', 'error' or 'interrupted'
     (a hang exits the process from here: hung threads cannot be joined)."""
-    timeout = run.args.hang_timeout
+    timeout = run.cfg.hang_timeout
     run.last_progress = time.monotonic()
     for t in threads:
         t.start()
@@ -809,7 +809,7 @@ def supervise(run: Run, threads: list[threading.Thread]) -> str:
 
 
 def hang_exit(run: Run, idle: float) -> None:
-    print(f"\nHANG DETECTED: no drafter step completed in {idle:.0f} s (--hang-timeout {run.args.hang_timeout:g}); "
+    print(f"\nHANG DETECTED: no drafter step completed in {idle:.0f} s (--hang-timeout {run.cfg.hang_timeout:g}); "
           f"last completed step {run.steps_done}. Stacks of all threads follow.", file=sys.stderr, flush=True)
     faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
     summary = {"status": "hung", "hung": True, "steps_done": run.steps_done, "idle_s": round(idle, 1),
@@ -817,8 +817,8 @@ def hang_exit(run: Run, idle: float) -> None:
                "ttc_disable_env": os.environ.get("TTC_DISABLE")}
     if getattr(run, "gpu_util", None) is not None:
         run.gpu_util.close()
-    if run.args.out and run.rank == 0:
-        Path(run.args.out, "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    if run.cfg.out and run.rank == 0:
+        Path(run.cfg.out, "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     emit_line("SUMMARY " + json.dumps(summary, default=str))
     print(f"train.py: error: hang: no drafter step completed in {idle:.0f} s (last completed step {run.steps_done})",
           file=sys.stderr, flush=True)
