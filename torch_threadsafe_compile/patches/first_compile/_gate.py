@@ -64,10 +64,9 @@ def make_gate(compile_wrapper: Callable[..., Any]) -> Callable[..., Any]:
     def ttc_gate(*args: Any, **kwargs: Any) -> Any:
         entries = tls.stack
         entries.append(marker)  # first: a reset that closes the barrier after this sees the call (_reset)
-        if barrier.closed and len(entries) == 1:  # a reset is under way: a new call waits for it
+        if barrier.closed and len(entries) == 1:  # a reset is under way: a new call waits for it (bounded)
             entries.pop()
-            barrier.wait_open()
-            entries.append(marker)
+            barrier.enter(entries, marker)
         try:
             while True:
                 if flights and key is not None:

@@ -6,12 +6,22 @@ compiled function while another resets can be walking freed memory: measured on 
 calling compiled functions while one thread resets every 2 s and another changes ``cache_size_limit``,
 the process died (segmentation fault) in 5 of 5 runs of 30 s without the package.
 
-What a reset means here: new gated calls wait at their gate; the reset waits until no other thread is
-inside a gated call (each call finishes, with any compile it started); then dynamo's caches are cleared,
-with this package's tables of compile results; then the waiting calls go on and compile afresh. A thread
-that resets from inside a gated call (a compiled function's callee) does not wait for itself, and a
-gated call nested inside one already running never waits (the reset is waiting for that call).
-The wait is bounded (``RESET_WAIT_MAX_S``, then the reset goes ahead as upstream, with a log line).
+What a reset means here: the reset closes the barrier and waits until no other thread is inside a gated
+call (each call finishes, with any compile it started); then dynamo's caches are cleared, with this
+package's tables of compile results; then the barrier opens and calls compile afresh. A thread that resets
+from inside a gated call (a compiled function's callee) does not wait for itself, and a gated call nested
+inside one already running never waits (the reset is waiting for that call).
+
+New calls (depth 0) that find the barrier closed wait at their gate, but only up to ``GATE_WAIT_S`` while
+the reset is still waiting for others: the call the reset waits for may itself wait for one of them (a
+compiled consumer blocked on a queue that another compiled function feeds). Holding them until the reset is
+done would be a cycle: reset → consumer → producer → reset (measured before: 120 s, then "resetting
+anyway"). After ``GATE_WAIT_S`` a call goes in, and the reset keeps waiting until a moment when nobody is
+inside. Only once the reset has seen that moment (``freeing``) does every new call wait until it is done:
+that part depends on no other thread. The two sides publish first and look second (a call pushes its entry,
+then reads ``freeing``; the reset sets ``freeing``, then looks at the stacks), so no call slips into dynamo's
+lookup while entries are freed. The whole wait is bounded (``RESET_WAIT_MAX_S``: a call that never returns;
+then the reset goes ahead as upstream, with a log line).
 
 Calls of functions compiled *before* an explicit ``install()`` have no gate and are not waited for.
 """
@@ -28,6 +38,7 @@ from torch_threadsafe_compile import _forksafe
 from torch_threadsafe_compile.patches.first_compile import _calls
 
 RESET_WAIT_MAX_S = 120.0
+GATE_WAIT_S = 0.25
 
 log = logging.getLogger("torch_threadsafe_compile")
 
@@ -41,6 +52,7 @@ class ResetBarrier:
 
     def _start(self) -> None:
         self.closed = False
+        self.freeing = False  # the reset saw nobody inside and frees now: new calls wait until it is done
         self._cond = threading.Condition(threading.Lock())
         # One reset at a time; re-entrant, as reset() calls reset_code_caches() (both are wrapped).
         self._one_at_a_time = threading.RLock()
@@ -51,11 +63,21 @@ class ResetBarrier:
         does not exist in the child), and its locks may be held by threads that do not exist."""
         self._start()
 
-    def wait_open(self) -> None:
-        """Called by a gate whose call is the first on its thread's stack while a reset is under way."""
-        with self._cond:
-            while self.closed:
-                self._cond.wait(1.0)
+    def enter(self, entries: list[Any], marker: Any) -> None:
+        """Called by a gate whose call is the first on its thread's stack (``marker`` not pushed) while a
+        reset is under way. Returns with ``marker`` pushed, when the call may go on (module docstring)."""
+        t0 = time.monotonic()
+        while True:
+            with self._cond:
+                while self.closed:
+                    left = GATE_WAIT_S - (time.monotonic() - t0)
+                    if left <= 0 and not self.freeing:
+                        break
+                    self._cond.wait(left if left > 0 else 1.0)
+            entries.append(marker)  # publish, then look (see the module docstring)
+            if not self.freeing:
+                return
+            entries.pop()
 
     def _others_inside(self, me: int) -> bool:
         alive = {t.ident for t in threading.enumerate()}
@@ -80,7 +102,7 @@ class ResetBarrier:
                 self._depth -= 1
                 if self._depth == 0:
                     with self._cond:
-                        self.closed = False
+                        self.closed = self.freeing = False
                         self._cond.notify_all()
 
     def _close_and_drain(self) -> None:
@@ -88,10 +110,18 @@ class ResetBarrier:
             self.closed = True
         me = threading.get_ident()
         t0 = time.monotonic()
-        while self._others_inside(me):
+        while True:
+            if not self._others_inside(me):
+                self.freeing = True  # publish, then look again (a call may have pushed in between)
+                if not self._others_inside(me):
+                    return
+                with self._cond:
+                    self.freeing = False
+                    self._cond.notify_all()
             if time.monotonic() - t0 > RESET_WAIT_MAX_S:
                 log.warning("torch._dynamo.reset(): other threads are still inside compiled calls after %.0f s; "
                             "resetting anyway", RESET_WAIT_MAX_S)
+                self.freeing = True
                 return
             time.sleep(0.001)
 
@@ -101,7 +131,7 @@ _forksafe.in_child(barrier.after_fork)
 
 # Code objects that may run under dynamo's active frame callback (a gate at depth 0 inside compiled code
 # of a function compiled before install()).
-HELPER_CODES = (ResetBarrier.wait_open.__code__,)
+HELPER_CODES = (ResetBarrier.enter.__code__,)
 
 
 def wrap_reset(original: Callable[..., Any], barrier: ResetBarrier, after: Callable[[], None]) -> Callable[..., Any]:
