@@ -9,6 +9,7 @@ machine's load hits both alike.
 
     python bench/stress.py --runs 20                         # every check (the acceptance run)
     python bench/stress.py --checks reset_under_load --runs 5
+    python bench/stress.py --checks backward_resets fork_during_reset reset_pipeline --runs 20   # issue 28's waits
 
 ``tests/test_stress.py`` runs the same checks with fewer runs (``TTC_STRESS_RUNS``).
 """
@@ -61,6 +62,19 @@ CHECKS: dict[str, Check] = {
         # ... and upstream's own pytorch#118260 reproducer (its unpatched crashes are rare here).
         Check("guard_race", "H3", "guard_race", {"seconds": 2.0}, 240, 20,
               failed=_died, shown=_died),
+        # The package's own waits must never hang (issue 28): fresh functions whose backward compiles lazily
+        # under dynamo's callback while resets run (a lock-order inversion once deadlocked here) ...
+        Check("backward_resets", "H3", "backward_resets", {"seconds": 15.0}, 150, 5,
+              failed=lambda r: _died(r) or r.get("hung", 1) > 0 or r.get("errors", 1) > 0 or r.get("wrong", 1) > 0,
+              shown=lambda r: _died(r) or r.get("hung", 0) > 0 or r.get("errors", 0) > 0),
+        # ... a child forked while a reset waits for another thread ...
+        Check("fork_during_reset", "H3", "fork_during_reset", {}, 150, 3,
+              failed=lambda r: _died(r) or r.get("child_exit") != 0 or r.get("hung", 1) > 0,
+              shown=lambda r: _died(r) or r.get("child_exit") != 0),
+        # ... and a reset while a compiled consumer waits for a compiled producer.
+        Check("reset_pipeline", "H3", "reset_pipeline", {}, 150, 3,
+              failed=lambda r: _died(r) or r.get("hung", 1) > 0 or r.get("errors", 1) > 0 or r.get("seconds", 999) > 30,
+              shown=lambda r: _died(r) or r.get("hung", 0) > 0 or r.get("seconds", 0) > 30),
     )
 }
 
@@ -72,6 +86,7 @@ class Outcome:
     results: list[dict[str, Any]] = field(default_factory=list)
     failures: int = 0
     crashes: int = 0
+    hangs: int = 0  # runs killed at their timeout, or with threads still alive at the end
     shown: bool = False
 
     @property
@@ -81,7 +96,7 @@ class Outcome:
     def summary(self) -> str:
         first = next((r for r in self.results if self._bad(r)), None)
         detail = f"; first bad run: {json.dumps(first)[:400]}" if first else ""
-        return f"{self.runs} runs, {self.crashes} crashed, {self.failures} failed, hazard shown: {self.shown}{detail}"
+        return f"{self.runs} runs, {self.crashes} crashed, {self.hangs} hung, {self.failures} failed, hazard shown: {self.shown}{detail}"
 
     def _bad(self, r: dict[str, Any]) -> bool:
         return _died(r) or bool(r.get("errors")) or bool(r.get("wrong"))
@@ -93,6 +108,7 @@ def run_check(check: Check, disable: bool, runs: int, stop_when_shown: bool = Fa
         res = scenarios.run(check.scenario, env={"TTC_DISABLE": "1" if disable else "0"}, timeout=check.timeout, **check.kwargs)
         out.results.append(res)
         out.crashes += int(res.get("rc", 0) < 0)
+        out.hangs += int("timeout" in res or bool(res.get("hung")))
         out.failures += int(check.failed(res))
         out.shown = out.shown or check.shown(res)
         if stop_when_shown and out.shown:
@@ -117,15 +133,16 @@ def main(argv: list[str] | None = None) -> int:
                 o.results += one.results
                 o.failures += one.failures
                 o.crashes += one.crashes
+                o.hangs += one.hangs
                 o.shown = o.shown or one.shown
             print(f"[stress] {name} run {i + 1}/{args.runs}: unpatched {outcomes[True].summary()[:80]} | active {outcomes[False].summary()[:80]}",
                   file=sys.stderr, flush=True)
         for disable, label in ((True, "TTC_DISABLE=1"), (False, "active")):
             o = outcomes[disable]
-            rows.append(f"| {check.hazard} | {name} | {label} | {o.runs} | {o.crashes} | {o.failures} | {'yes' if o.shown else 'no'} |")
+            rows.append(f"| {check.hazard} | {name} | {label} | {o.runs} | {o.crashes} | {o.hangs} | {o.failures} | {'yes' if o.shown else 'no'} |")
             dump[f"{name}/{label}"] = o.results
-    print("| hazard | check | mode | runs | crashed | failed | hazard shown |")
-    print("|---|---|---|---|---|---|---|")
+    print("| hazard | check | mode | runs | crashed | hung | failed | hazard shown |")
+    print("|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))
     if args.json:
         args.json.write_text(json.dumps(dump, indent=1))
