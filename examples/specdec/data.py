@@ -15,7 +15,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -158,7 +158,8 @@ class MarkovData:
             idx += add[i]
             prev = out[i]
             take(idx, out=prev)
-        return out.T
+        rows: np.ndarray = out.T
+        return rows
 
     def batches(self, indices: Sequence[int]) -> list[Batch]:
         """``[batch(i) for i in indices]``, generated together: each batch draws from its own seed stream exactly
@@ -247,10 +248,10 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer
 
 def has_tokenizer(path: str | None) -> bool:
     """Whether a model directory ships a tokenizer (a bare checkpoint falls back to bytes)."""
-    return bool(path) and any((Path(path) / f).exists() for f in TOKENIZER_FILES)
+    return path is not None and path != "" and any((Path(path) / f).exists() for f in TOKENIZER_FILES)
 
 
-def load_tokenizer(path: str | None):
+def load_tokenizer(path: str | None) -> Any:
     """A Hugging Face tokenizer from a local path (transformers imported lazily), or the byte-level fallback."""
     if not path:
         return ByteTokenizer()
@@ -270,11 +271,14 @@ def read_documents(path: str) -> list[str]:
 class TextData:
     """Local text corpus, tokenized once, packed into a token stream with document ids, cut into windows."""
 
-    def __init__(self, path: str, tokenizer, batch_size: int, seq_len: int, seed: int = 0) -> None:
+    def __init__(self, path: str, tokenizer: Any, batch_size: int, seq_len: int, seed: int = 0) -> None:
         self.batch_size, self.seq_len = batch_size, seq_len
         bos = getattr(tokenizer, "bos_token_id", None)
         bos = BOS if bos is None else int(bos)
-        toks, doc, pos, docs = [], [], [], []
+        toks: list[int] = []
+        doc: list[int] = []
+        pos: list[int] = []
+        docs: list[np.ndarray] = []
         for i, text in enumerate(read_documents(path)):
             ids = [bos] + list(tokenizer.encode(text))
             docs.append(np.asarray(ids, dtype=np.int64))
@@ -302,3 +306,6 @@ class TextData:
         long_docs = [d for d in self.docs if len(d) >= length] or [self.tokens]
         rng = np.random.default_rng(seed)
         return torch.from_numpy(np.stack([long_docs[int(rng.integers(len(long_docs)))][:length] for _ in range(count)]))
+
+
+Data = MarkovData | TextData  # a batch source: ``batch(index)`` is a pure function of the index

@@ -45,7 +45,7 @@ def drafter_flops_per_token(s: Shape, ttt_steps: int, keys: float) -> float:
 
 
 def drafter_flops_per_token_keys(s: Shape, keys_per_step: list[float]) -> float:
-    total = 4 * 3 * s.dim * s.dim
+    total: float = 4 * 3 * s.dim * s.dim
     for keys in keys_per_step:
         total += 6 * layer_matmul_params(s, 2 * s.dim) + 12 * s.dim * keys + 4 * s.dim * s.vocab
     return total

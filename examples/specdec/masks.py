@@ -25,7 +25,7 @@ the same attention.
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence, Union
+from typing import Any, Callable, Sequence, Union
 
 import torch
 
@@ -36,7 +36,7 @@ Mask = Union[torch.Tensor, "torch.nn.attention.flex_attention.BlockMask"]
 def document_causal_mod(doc: torch.Tensor) -> MaskMod:
     """Causal attention restricted to the query's own packed document (``doc`` is ``[B, S]`` document ids)."""
 
-    def mask_mod(b, h, q_idx, kv_idx):
+    def mask_mod(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
         return (kv_idx <= q_idx) & (doc[b, q_idx] == doc[b, kv_idx])
 
     return mask_mod
@@ -45,7 +45,7 @@ def document_causal_mod(doc: torch.Tensor) -> MaskMod:
 def ttt_mod(doc: torch.Tensor, seq_len: int) -> MaskMod:
     """Mask of TTT step ``i`` over the concatenated keys of steps ``0..i`` (see module docstring)."""
 
-    def mask_mod(b, h, q_idx, kv_idx):
+    def mask_mod(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
         step = kv_idx // seq_len
         pos = kv_idx % seq_len
         same_doc = doc[b, q_idx] == doc[b, pos]
@@ -67,7 +67,7 @@ def dense_mask(mask_mod: MaskMod, batch: int, q_len: int, kv_len: int, device: t
 
 def use_flex(device: torch.device) -> bool:
     """flex_attention is used where it can train (CUDA); elsewhere the dense SDPA fallback."""
-    return torch.device(device).type == "cuda"
+    return bool(torch.device(device).type == "cuda")
 
 
 BLOCK_SIZE = 128  # flex_attention's default sparse block size
@@ -101,14 +101,14 @@ def block_tensors(dense: torch.Tensor, block: int = BLOCK_SIZE) -> tuple[torch.T
 
 
 def _block_mask(tensors: Sequence[torch.Tensor], q_len: int, kv_len: int, mask_mod: MaskMod,
-                block: int = BLOCK_SIZE):
+                block: int = BLOCK_SIZE) -> torch.nn.attention.flex_attention.BlockMask:
     from torch.nn.attention.flex_attention import BlockMask
 
     # Positional arguments: the constructor's first eleven parameters are the same from torch 2.5 to 2.13.
     return BlockMask((q_len, kv_len), *tensors, (block, block), mask_mod)
 
 
-def block_mask_from_dense(dense: torch.Tensor, mask_mod: MaskMod, block: int = BLOCK_SIZE):
+def block_mask_from_dense(dense: torch.Tensor, mask_mod: MaskMod, block: int = BLOCK_SIZE) -> torch.nn.attention.flex_attention.BlockMask:
     """``BlockMask`` from a dense ``[B, H, Q, KV]`` boolean mask and the ``mask_mod`` that produced it.
 
     Same result as ``create_block_mask(mask_mod, ...)`` (tested), but built from a handful of tensor ops:
@@ -133,7 +133,7 @@ class _Compiled:
     def __init__(self) -> None:
         self.fns: dict = {}
 
-    def __call__(self, name: str, fn: Callable, *args):
+    def __call__(self, name: str, fn: Callable[..., Any], *args: Any) -> Any:
         compiled = self.fns.get(name)
         if compiled is None:
             compiled = self.fns.setdefault(name, torch.compile(fn, dynamic=False))

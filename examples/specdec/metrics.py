@@ -24,6 +24,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -118,8 +119,8 @@ class Throughput:
             return None
         return (n1.get(kind, 0) - n0.get(kind, 0)) / (t1 - t0)
 
-    def summary(self) -> dict[str, dict[str, float]]:
-        out = {}
+    def summary(self) -> dict[str, dict[str, float | None]]:
+        out: dict[str, dict[str, float | None]] = {}
         with self.lock:
             kinds = sorted(self.tokens)
         for kind in kinds:
@@ -133,8 +134,9 @@ class Throughput:
                     "tokens_per_s": round(self.tokens[kind] / wall, 1),
                     "steady_tokens_per_s": round(steady, 1) if steady else None,
                 }
-        if self.window() is not None:
-            t0, t1 = self.window()
+        window = self.window()
+        if window is not None:
+            t0, t1 = window
             # Host CPU seconds of the whole process per second of the window: near 1 with the GPU idle much of the
             # time means the interpreter (one GIL) bounds the run; torch releases the GIL inside its ops, so it
             # can exceed 1.
@@ -187,7 +189,7 @@ class GpuUtil:
         visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
         return [visible[i] if i < len(visible) else str(i) for i in indices]
 
-    def _poll_nvml(self, pynvml, handles, period_s: float) -> None:
+    def _poll_nvml(self, pynvml: Any, handles: list[Any], period_s: float) -> None:
         while not self._stop.wait(period_s):
             try:
                 util = [pynvml.nvmlDeviceGetUtilizationRates(h).gpu for h in handles]
@@ -197,6 +199,8 @@ class GpuUtil:
             self.samples.append((time.monotonic(), sum(util) / len(util)))
 
     def _read_smi(self) -> None:
+        if self._proc is None or self._proc.stdout is None:
+            return
         for line in self._proc.stdout:
             try:
                 self.samples.append((time.monotonic(), float(line.strip())))

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Sequence, cast
 
 import torch
 import torch.nn as nn
@@ -64,7 +64,7 @@ def rope(x: torch.Tensor, pos: torch.Tensor, theta: float = 10000.0) -> torch.Te
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, return_lse: bool = False):
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, return_lse: bool = False) -> Any:
     """``[B, H, Q, D] x [B, Hkv, KV, D] -> [B, H, Q, D]`` under ``mask`` (BlockMask -> flex, tensor -> SDPA).
     ``Hkv < H``: grouped-query attention (each key/value head serves ``H / Hkv`` query heads).
 
@@ -164,7 +164,10 @@ class Attention(nn.Module):
 
     def project(self, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         b, s, _ = x.shape
-        split = lambda t, h: t.view(b, s, h, self.head_dim).transpose(1, 2)  # noqa: E731
+
+        def split(t: torch.Tensor, h: int) -> torch.Tensor:
+            return t.view(b, s, h, self.head_dim).transpose(1, 2)
+
         if self.fused:
             kv_dim = self.kv_heads * self.head_dim
             qkv = F.linear(x, torch.cat([self.q.weight, self.k.weight, self.v.weight]))
@@ -244,7 +247,8 @@ class TargetLM(nn.Module):
         other.load_state_dict(self.state_dict())
         if self.prior is not None:
             other.prior = self.prior.to(device)
-        return other.eval()
+        other.eval()
+        return other
 
     @property
     def num_layers(self) -> int:
@@ -284,7 +288,9 @@ class HFTarget(nn.Module):
             from transformers import AutoModelForCausalLM
         except ImportError as e:  # optional extra
             raise SystemExit("--target-hf needs the optional dependency 'transformers' (pip install transformers)") from e
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+        # Any to the checker: transformers' model classes are partly typed on top of an untyped torch
+        self.model: Any = cast(Any, AutoModelForCausalLM).from_pretrained(path, dtype=torch.float32,
+                                                                            attn_implementation="sdpa")
         self.model.eval().requires_grad_(False)
         cfg = self.model.config
         self.vocab_size = int(cfg.vocab_size)
@@ -479,17 +485,17 @@ def ttt_loss(drafter: Drafter, fused: torch.Tensor, tokens: torch.Tensor, pos: t
     return loss, torch.cat([loss.detach().view(1), torch.stack(accs).detach()])
 
 
-@torch.no_grad()
 def draft_greedy(drafter: Drafter, fused: torch.Tensor, tokens: torch.Tensor, pos: torch.Tensor,
                  mask: Mask, steps: int) -> torch.Tensor:
     """Autoregressive drafting at every position at once: step 0 reads the real next token, step i>0 reads the
     drafter's own step-(i-1) proposal. Returns proposals ``[k, B, S]``; proposal i at t is for position t+2+i."""
-    hidden = drafter.fuse(fused)
-    cache: list[tuple[torch.Tensor, torch.Tensor]] = []
-    tok = shift_left(tokens, 1)
-    out = []
-    for i in range(steps):
-        hidden, logits = drafter.step(hidden, tok, pos + i, mask, cache)
-        tok = logits.argmax(-1)
-        out.append(tok)
-    return torch.stack(out)
+    with torch.no_grad():
+        hidden = drafter.fuse(fused)
+        cache: list[tuple[torch.Tensor, torch.Tensor]] = []
+        tok = shift_left(tokens, 1)
+        out = []
+        for i in range(steps):
+            hidden, logits = drafter.step(hidden, tok, pos + i, mask, cache)
+            tok = logits.argmax(-1)
+            out.append(tok)
+        return torch.stack(out)
