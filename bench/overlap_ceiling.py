@@ -39,7 +39,7 @@ from typing import Callable, Sequence
 import torch
 from _repo import ROOT  # noqa: F401  (makes examples.specdec importable)
 
-from examples.specdec import cli, masks, models, trainer
+from examples.specdec import build, cli, masks, models, steps
 from examples.specdec.runtime import Lane, sm_limit_problem
 
 
@@ -107,30 +107,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     dev = torch.device("cuda:0")
     torch.set_float32_matmul_precision("high")
     masks.BUILDER = args.mask_builder
-    data = trainer.build_data(args, pin=True)
-    target = trainer.build_target(args, data, dev, torch.bfloat16 if args.target_dtype == "bfloat16" else torch.float32)
+    data = build.build_data(args, pin=True)
+    target = build.build_target(args, data, dev, torch.bfloat16 if args.target_dtype == "bfloat16" else torch.float32)
     out_dtype = torch.bfloat16 if args.target_dtype == "bfloat16" else None
-    dcfg = trainer.drafter_config(args, target)
+    dcfg = build.drafter_config(args, target)
     topk = args.target_topk if 0 < args.target_topk < dcfg.vocab_size else 0
 
     def fwd(tokens, pos, mask):
         return models.target_features(target, tokens, pos, mask, topk, out_dtype)
 
-    target_fn = trainer.maybe_compile(args, fwd, args.target_compile_mode)
+    target_fn = build.maybe_compile(args, fwd, args.target_compile_mode)
     prio = opts.priority == "preset"
     t_lanes = [Lane(dev, True, prio and args.stream_priority == "target", opts.target_sms) for _ in range(T)]
     d_lanes = [Lane(dev, True, prio and args.stream_priority == "drafter") for _ in range(D)]
-    calls = [trainer.TargetCall(args, target_fn, lane) for lane in t_lanes]
+    calls = [steps.TargetCall(args, target_fn, lane) for lane in t_lanes]
     # The sequential pass runs the target on the drafter's stream, as the sequential layout does: a graph of its
     # own (a graph captured on a --target-sms stream keeps that partition wherever it is replayed).
-    calls.append(trainer.TargetCall(args, target_fn, d_lanes[0]))
+    calls.append(steps.TargetCall(args, target_fn, d_lanes[0]))
     t_lanes = t_lanes + [d_lanes[0]]
-    proto = trainer.drafter_prototype(args, target, dcfg)
-    loss_fn = trainer.maybe_compile(args, models.ttt_loss, args.drafter_compile_mode)
-    reps = [trainer.make_replica(args, proto, lane, loss_fn) for lane in d_lanes]
+    proto = build.drafter_prototype(args, target, dcfg)
+    loss_fn = build.maybe_compile(args, models.ttt_loss, args.drafter_compile_mode)
+    reps = [build.make_replica(args, proto, lane, loss_fn) for lane in d_lanes]
     torch.cuda.synchronize()
 
-    packed = [trainer.upload(data.batch(i), t_lanes[0], True) for i in range(len(calls))]
+    packed = [steps.upload(data.batch(i), t_lanes[0], True) for i in range(len(calls))]
     torch.cuda.synchronize()
     feats = None
     for _ in range(3):  # two eager warm-up calls of every StepGraph, then every capture

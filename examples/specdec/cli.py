@@ -118,7 +118,7 @@ def validate(cfg: Config) -> str | None:
             return f"--target-sms must be at least 1 (got {cfg.target_sms})"
         if cfg.layout != "threaded" or not cfg.streams:
             return "--target-sms needs the threaded layout with --streams (the SM partition is a stream's)"
-        if device_list(cfg.devices)[:1] == ["cpu"]:  # "auto": trainer.check_devices
+        if device_list(cfg.devices)[:1] == ["cpu"]:  # "auto": build.check_devices
             return f"--target-sms needs CUDA devices (--devices {cfg.devices})"
     if cfg.seq_len < cfg.ttt_steps + 2:
         return f"--seq-len {cfg.seq_len} is too short for --ttt-steps {cfg.ttt_steps} (needs at least k + 2)"
@@ -128,7 +128,7 @@ def validate(cfg: Config) -> str | None:
         return f"--devices {spec!r}: expected 'auto', 'cpu', 'cuda' or a list like 'cuda:0,cuda:1'"
     if len({e.split(":")[0] for e in entries}) > 1:
         return f"--devices {spec!r}: mixes CPU and CUDA devices"
-    if cfg.step_graphs and entries[0] == "cpu":  # "auto" is checked once torch can tell (trainer.check_devices)
+    if cfg.step_graphs and entries[0] == "cpu":  # "auto" is checked once torch can tell (build.check_devices)
         return f"--step-graphs needs CUDA devices (--devices {spec}; --no-step-graphs turns it off)"
     if cfg.inject_fault:
         m = re.fullmatch(r"(error|hang):(target|drafter):(\d+)", cfg.inject_fault)
@@ -174,7 +174,7 @@ def resume_step(path: Path) -> int | None:
     ckpt = path if (path / "checkpoint.safetensors").exists() else max(
         (p for p in path.glob("ckpt-*") if (p / "checkpoint.safetensors").exists()), default=None)
     try:
-        return int(json.loads((ckpt / "meta.json").read_text())["step"])
+        return int(json.loads((ckpt / "meta.json").read_text())["step"]) if ckpt is not None else None
     except Exception:
         return None
 
@@ -205,6 +205,6 @@ def reexec_without_ttc() -> None:
     else:  # pragma: no cover - Python < 3.10
         import subprocess
 
-        argv = [sys.executable, *subprocess._args_from_interpreter_flags(), *sys.argv]
+        argv = [sys.executable, *subprocess._args_from_interpreter_flags(), *sys.argv]  # type: ignore[attr-defined]
     sys.stdout.flush(), sys.stderr.flush()
     os.execv(sys.executable, argv)

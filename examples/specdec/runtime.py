@@ -132,13 +132,14 @@ class Lane:
         # last use was issued) has completed. Events complete in stream order, so the oldest is checked first.
         self._held: deque[tuple[torch.cuda.Event, Sequence[torch.Tensor]]] = deque()
 
-    def context(self):
+    def context(self) -> contextlib.AbstractContextManager[Any]:
         """Enter once at the top of the thread: makes the lane's device and stream current for it."""
+        ctx: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
         if self.stream is not None:
-            return torch.cuda.stream(self.stream)
-        if self.cuda:
-            return torch.cuda.device(self.device)
-        return contextlib.nullcontext()
+            ctx = torch.cuda.stream(self.stream)
+        elif self.cuda:
+            ctx = torch.cuda.device(self.device)
+        return ctx
 
     def record(self) -> Event:
         if self.stream is None:
@@ -400,6 +401,7 @@ class Run:
         self.last_progress = time.monotonic()
         self.steps_done = 0
         self.reducer: Reducer | None = None
+        self.gpu_util: Any = None  # metrics.GpuUtil while sampling (closed by the hang report too)
 
     def call(self, where: str, fn: Callable[[], Any]) -> Any:
         """Run one compiled call under the error policy: 'raise' propagates; 'count' counts the error and retries

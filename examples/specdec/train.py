@@ -41,8 +41,8 @@ def main(argv: list[str] | None = None) -> int:
         import torch
     except ImportError as e:
         cli.fail(f"torch is not importable ({e})")
-    from . import metrics, trainer
-    problem = trainer.check_devices(cfg)
+    from . import build, metrics, trainer
+    problem = build.check_devices(cfg)
     if problem:
         cli.fail(problem)
     if cfg.dry_run:
