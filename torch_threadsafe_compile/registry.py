@@ -39,6 +39,8 @@ PATCH_MODULES: tuple[str, ...] = (
     "export_lock",  # H7
     "lazy_backward",  # H4
     "cuda_device_guard",  # H3 (crash)
+    "guard_invalidation",  # H8 (crash)
+    "code_reset",  # H9 (crash)
     "first_compile",  # H3
     "cudagraph_trees_per_thread",  # H7
     "cudagraph_rng",  # H7
@@ -50,7 +52,7 @@ class PatchSpec:
     """What a patch declares about itself. See any module in ``patches/`` for an example."""
 
     id: str  # equal to the module name
-    hazard: str  # H1 ... H7 (docs/hazards.md)
+    hazard: str  # H1 ... H9 (docs/hazards.md)
     summary: str
     upstream: str  # the upstream issue / PR behind the hazard
     torch_versions: str  # a packaging specifier set, e.g. ">=2.4,<2.14"

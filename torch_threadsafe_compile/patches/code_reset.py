@@ -1,0 +1,143 @@
+"""H9 (crash) — ``remove_from_cache`` (every ``torch._dynamo.export`` call, twice) no longer frees a code
+object's cache while other threads may be looking it up or compiling it.
+
+``torch._dynamo.export(f)`` calls ``torch._dynamo.eval_frame.remove_from_cache(f)`` before and after it
+traces, which calls the C ``reset_code(f.__code__)``: it replaces the code object's ``ExtraState`` by
+nothing, and CPython frees the old one with every cache entry and guard tree in it — without
+``compile_lock`` and without regard for other threads. A thread inside dynamo's C ``lookup()`` on that code
+iterates the freed entry list (each guard check drops the GIL); a thread compiling that code read the
+``ExtraState`` pointer before its frame callback and inserts its result into the freed object when the
+callback returns, so the heap is corrupt and the process dies later anywhere: ``SIGSEGV`` in
+``ExtraState::invalidate`` from a weakref finalizer, in ``lookup``, in ``convert_frame._compile``, or
+``SIGFPE``. Reproducer: ``python -m ttc_testing.crash_scenarios export_beside_calls`` (2 threads export a
+function while 2 call it compiled: unpatched torch 2.13 dies in a few seconds; so does pytest-run-parallel
+on ``dynamo/test_misc.py::MiscTests::test_cond_export``, whose 4 threads export one nested function).
+
+Fix: while other threads exist, ``reset_code(code)`` *invalidates* each entry of the code object, as
+dynamo does when an object its guards match by identity dies (``ExtraState.invalidate`` with a deleted
+guard manager: the entry's guards fail from now on, its compiled code is dropped), instead of freeing the
+list; the guard trees are kept until no thread that was alive then is left (``_graveyard``, as in H8).
+What a reset promises stays: the next call compiles afresh. Such entries do not count towards
+``recompile_limit`` (``compute_cache_size`` skips them; upstream would have deleted them). In a
+single-threaded process ``reset_code`` is upstream's. Not kept from upstream's reset while threads run: the
+code object's automatic-dynamic memory (``frame_state``) and its skip/run-only marks, which upstream's reset
+forgets; export compiles with ``automatic_dynamic_shapes=False``, so its graphs are unaffected. The
+invalidated entries stay in the list (a failed check costs a pointer test) until ``torch._dynamo.reset()``.
+``torch._dynamo.reset()`` and ``reset_code_caches()`` themselves are serialised against gated calls by
+``first_compile`` (H3).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch_threadsafe_compile import _graveyard
+from torch_threadsafe_compile._patching import Changes
+from torch_threadsafe_compile._torch import cache_entry_lister, loaded
+from torch_threadsafe_compile.registry import PatchSpec
+
+SPEC = PatchSpec(
+    id="code_reset",
+    hazard="H9",
+    summary="remove_from_cache / reset_code (torch._dynamo.export) invalidates a code object's entries instead "
+            "of freeing them while other threads run",
+    upstream=("pytorch/pytorch#195355 (ExtraState lock; after 2.15); reset_code frees the ExtraState that "
+              "other threads' lookup() and compiles hold"),
+    torch_versions=">=2.6",
+    modules=("torch._dynamo",),  # its import completes after eval_frame, convert_frame and guards
+)
+
+_stats = {"soft_resets": 0, "entries_invalidated": 0}
+_marker: list[type] = []  # the DeletedGuardManagerWrapper subclass that marks our invalidations
+
+
+def _is_ours(entry: Any) -> bool:
+    return bool(_marker) and isinstance(getattr(entry, "guard_manager", None), _marker[0])
+
+
+def _soft_reset(code: Any, lister: Any) -> None:
+    marker = _marker[0]
+    others = _graveyard.others()
+    for entry in lister(code):
+        gm = getattr(entry, "guard_manager", None)
+        extra = getattr(gm, "extra_state", None)
+        if gm is None or extra is None or getattr(gm, "cache_entry", None) is None:
+            continue  # invalidated already
+        _graveyard.keep((gm,), others)
+        extra.invalidate(entry, marker("Cache line invalidated by reset_code while other threads ran"))
+        _stats["entries_invalidated"] += 1
+    _stats["soft_resets"] += 1
+
+
+def _make_reset_code(original: Any, lister: Any) -> Any:
+    def reset_code(code: Any) -> Any:
+        if not _graveyard.others():
+            return original(code)
+        _graveyard.release()
+        _soft_reset(code, lister)
+        return None
+
+    reset_code.__wrapped__ = original  # type: ignore[attr-defined]
+    reset_code.__name__ = "reset_code"
+    reset_code.__doc__ = original.__doc__
+    return reset_code
+
+
+def _make_cache_size(original: Any, lister: Any) -> Any:
+    def compute_cache_size(frame: Any, cache_entries: Any, *args: Any, **kwargs: Any) -> Any:
+        if _stats["entries_invalidated"]:
+            ours = sum(1 for e in lister(frame.f_code) if _is_ours(e))
+            if ours:
+                cache_entries = [e for e in cache_entries if not _is_ours(e)]
+                if args and isinstance(args[0], int):
+                    args = (max(0, args[0] - ours), *args[1:])
+                elif isinstance(kwargs.get("total_cache_entries_all_regions"), int):
+                    kwargs["total_cache_entries_all_regions"] = max(0, kwargs["total_cache_entries_all_regions"] - ours)
+        return original(frame, cache_entries, *args, **kwargs)
+
+    compute_cache_size.__wrapped__ = original  # type: ignore[attr-defined]
+    compute_cache_size.__name__ = "compute_cache_size"
+    compute_cache_size.__doc__ = original.__doc__
+    return compute_cache_size
+
+
+def check() -> str | None:
+    ef = loaded("torch._dynamo.eval_frame")
+    rfc = getattr(ef, "remove_from_cache", None)
+    if rfc is None or "reset_code" not in getattr(getattr(rfc, "__code__", None), "co_names", ()):
+        return "torch._dynamo.eval_frame.remove_from_cache no longer calls reset_code"
+    if not callable(getattr(ef, "reset_code", None)):
+        return "torch._dynamo.eval_frame.reset_code not found"
+    if not callable(getattr(loaded("torch._dynamo.convert_frame"), "compute_cache_size", None)):
+        return "torch._dynamo.convert_frame.compute_cache_size not found"
+    if getattr(loaded("torch._dynamo.guards"), "DeletedGuardManagerWrapper", None) is None:
+        return "torch._dynamo.guards.DeletedGuardManagerWrapper not found"
+    if cache_entry_lister() is None:
+        return "torch._C._dynamo.eval_frame._debug_get_cache_entry_list not found"
+    return None
+
+
+def apply(changes: Changes) -> dict[str, Any]:
+    lister = cache_entry_lister()
+    deleted = loaded("torch._dynamo.guards").DeletedGuardManagerWrapper
+    if not _marker:
+        _marker.append(type("ResetCodeGuardManager", (deleted,), {
+            "__doc__": "An entry invalidated by reset_code while other threads ran (torch-threadsafe-compile, H9).",
+            "__module__": __name__}))
+    ef = loaded("torch._dynamo.eval_frame")
+    changes.setattr(ef, "reset_code", _make_reset_code(ef.reset_code, lister))
+    cf = loaded("torch._dynamo.convert_frame")
+    changes.setattr(cf, "compute_cache_size", _make_cache_size(cf.compute_cache_size, lister))
+    return {}
+
+
+def verify() -> None:
+    ef = loaded("torch._dynamo.eval_frame")
+    if getattr(ef.reset_code, "__wrapped__", None) is None:
+        raise AssertionError("torch._dynamo.eval_frame.reset_code is not replaced")
+    if getattr(loaded("torch._dynamo.convert_frame").compute_cache_size, "__wrapped__", None) is None:
+        raise AssertionError("torch._dynamo.convert_frame.compute_cache_size is not replaced")
+
+
+def report() -> dict[str, Any]:
+    return dict(_stats)

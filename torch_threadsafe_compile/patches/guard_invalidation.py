@@ -1,0 +1,172 @@
+"""H8 (crash) — a guard manager that another thread may be evaluating is not freed when its cache entry is
+invalidated; it is kept until no thread that was alive at the invalidation is left, or the next reset.
+
+Dynamo guards objects by identity (``ID_MATCH``, the ``TYPE_MATCH`` of a class made at run time, …) with a
+``weakref.finalize`` per object; when such an object dies, ``CheckFunctionManager.invalidate`` runs from the
+finalizer — in whichever thread the last reference dropped or the garbage collector ran — and tells the C
+side to invalidate the cache entry (``ExtraState::invalidate`` → ``CacheEntry::invalidate``). That drops the
+entry's reference to its ``GuardManagerWrapper``, and the ``CheckFunctionManager`` drops the other one, so the
+wrapper's ``RootGuardManager`` (the C++ guard tree) is freed at once. But dynamo's C ``lookup()`` reads the
+entry's raw ``root_mgr`` pointer and evaluates that tree *without holding the GIL all the way*:
+``RootGuardManager::check_nopybind`` releases the GIL to take its mutex, and guards that run Python code
+(``__eq__``, lambda guards) let other threads run. A thread that was inside that check when another thread
+invalidated the entry carries on in freed memory: ``SIGSEGV`` in
+``RootGuardManager::check_nopybind_template`` under ``lookup`` (or ``SIGFPE``/``SIGABRT`` on a destroyed
+mutex or hash table). Reproducer: ``python -m ttc_testing.scenarios guard_invalidation_race`` (crashes
+unpatched torch 2.13 in a few seconds, 4 threads); pytest-run-parallel on ``dynamo/test_misc.py`` dies the
+same way (docs/upstream-tests.md). The same holds for the skip-guard-eval stance's diff guard tree:
+``GuardManagerWrapper.populate_diff_guard_manager`` — run on *every* existing entry of a code object at each
+recompile, by ``update_diff_guard_managers_for_existing_cache_entries`` — replaces ``diff_guard_root`` before
+it repoints the entry's raw ``diff_guard_root_mgr``, freeing the tree that pointer still names.
+
+Fix, from Python: the patched ``invalidate`` and ``populate_diff_guard_manager`` do what upstream does, but
+first put the tree they are about to release (the wrapper, the old diff root) on a *graveyard*, with the
+threads alive at that moment other than the current one. A kept tree stays valid, so a thread still inside
+its check finishes on valid memory (and then finds the entry invalidated: its code is ``None``, which dynamo
+treats as a miss, as upstream). New lookups cannot reach a kept tree (the entry's pointer is cleared or
+repointed first). A kept tree is released when none of the threads recorded with it is alive any more
+(checked at each invalidation), or at ``torch._dynamo.reset()`` (which frees every entry anyway; a thread
+inside a lookup there would crash upstream as well, see H3's reset barrier). With no other thread alive the
+patch does nothing but call upstream (a single-threaded program behaves, and frees, exactly as upstream).
+Cost: kept guard trees of long-lived threads stay until the next reset (``status()`` reports how many).
+Upstream's fix is pytorch/pytorch#195355 (a lock per ``ExtraState``; invalidations that arrive during a
+lookup are queued and applied after it), after 2.15.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from torch_threadsafe_compile import _graveyard
+from torch_threadsafe_compile._patching import Changes
+from torch_threadsafe_compile._torch import loaded
+from torch_threadsafe_compile.registry import PatchSpec
+
+SPEC = PatchSpec(
+    id="guard_invalidation",
+    hazard="H8",
+    summary="guard trees released by cache-entry invalidation (weakref finalizers) or diff-guard rebuilds are "
+            "kept until no thread that could be evaluating them is left",
+    upstream=("pytorch/pytorch#195355 (ExtraState lock, queued invalidations; after 2.15); "
+              "CheckFunctionManager.invalidate frees the RootGuardManager that lookup() may be evaluating"),
+    torch_versions=">=2.6",
+    modules=("torch._dynamo",),  # its import completes after guards.py (no new post-import hook)
+)
+
+_stats = {"immediate": 0}
+
+
+def _make_invalidate(original: Any) -> Any:
+    def invalidate(self: Any, obj_str: str) -> None:
+        _graveyard.release()
+        others = _graveyard.others()
+        if others:
+            gm = self.__dict__.get("guard_manager")
+            if gm is not None:
+                _graveyard.keep((gm,), others)
+        else:
+            _stats["immediate"] += 1
+        return original(self, obj_str)
+
+    invalidate.__wrapped__ = original  # type: ignore[attr-defined]
+    invalidate.__name__ = original.__name__
+    invalidate.__qualname__ = original.__qualname__
+    invalidate.__doc__ = original.__doc__
+    return invalidate
+
+
+def _make_populate(original: Any) -> Any:
+    def populate_diff_guard_manager(self: Any) -> None:
+        old = self.__dict__.get("diff_guard_root")
+        if old is not None:
+            others = _graveyard.others()
+            if others:
+                _graveyard.keep((old,), others)
+        return original(self)
+
+    populate_diff_guard_manager.__wrapped__ = original  # type: ignore[attr-defined]
+    populate_diff_guard_manager.__name__ = original.__name__
+    populate_diff_guard_manager.__qualname__ = original.__qualname__
+    populate_diff_guard_manager.__doc__ = original.__doc__
+    return populate_diff_guard_manager
+
+
+def _make_reset_hook(original: Any) -> Any:
+    def reset_code_state(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return original(*args, **kwargs)
+        finally:
+            _graveyard.release(everything=True)
+
+    reset_code_state.__wrapped__ = original  # type: ignore[attr-defined]
+    reset_code_state.__name__ = getattr(original, "__name__", "reset_code_state")
+    reset_code_state.__doc__ = getattr(original, "__doc__", None)
+    return reset_code_state
+
+
+def check() -> str | None:
+    guards = loaded("torch._dynamo.guards")
+    cfm = getattr(guards, "CheckFunctionManager", None)
+    inv = getattr(cfm, "__dict__", {}).get("invalidate")
+    if inv is None or not hasattr(inv, "__code__"):
+        return "CheckFunctionManager.invalidate not found"
+    names = set(inv.__code__.co_names)
+    if not {"guard_manager", "invalidate"} <= names:
+        return "CheckFunctionManager.invalidate no longer hands the cache entry to ExtraState.invalidate"
+    if not callable(getattr(loaded("torch._dynamo"), "reset_code_state", None)):
+        return "torch._dynamo.reset_code_state not found (the release point at reset)"
+    return None
+
+
+def apply(changes: Changes) -> dict[str, Any]:
+    guards = loaded("torch._dynamo.guards")
+    cfm = guards.CheckFunctionManager
+    changes.setattr(cfm, "invalidate", _make_invalidate(cfm.__dict__["invalidate"]))
+    gmw = getattr(guards, "GuardManagerWrapper", None)
+    pop = getattr(gmw, "__dict__", {}).get("populate_diff_guard_manager")
+    if pop is not None and hasattr(pop, "__code__") and "diff_guard_root" in pop.__code__.co_names:
+        changes.setattr(gmw, "populate_diff_guard_manager", _make_populate(pop))
+    dynamo = loaded("torch._dynamo")
+    changes.setattr(dynamo, "reset_code_state", _make_reset_hook(dynamo.reset_code_state))
+    changes.on_revert(lambda: _graveyard.release(everything=True))
+    return {}
+
+
+def verify() -> None:
+    guards = loaded("torch._dynamo.guards")
+    inv = guards.CheckFunctionManager.__dict__["invalidate"]
+    if getattr(inv, "__wrapped__", None) is None:
+        raise AssertionError("CheckFunctionManager.invalidate is not replaced")
+
+    # The kept tree must be held while another thread that was alive at the invalidation lives, and dropped
+    # after it ended.
+    class _Probe:  # stands for a CheckFunctionManager whose guard manager has no cache entry (upstream no-op)
+        pass
+
+    class _Tree:
+        cache_entry = None
+        extra_state = None
+
+    probe = _Probe()
+    tree = _Tree()
+    probe.guard_manager = tree  # type: ignore[attr-defined]
+    started, finish = threading.Event(), threading.Event()
+    t = threading.Thread(target=lambda: (started.set(), finish.wait(10)), name="ttc-h8-verify", daemon=True)
+    t.start()
+    started.wait(10)
+    try:
+        inv(probe, "probe")
+        held = _graveyard.held(tree)
+    finally:
+        finish.set()
+        t.join(10)
+    if not held:
+        raise AssertionError("an invalidated guard tree was not kept while another thread was alive")
+    _graveyard.release()
+    if _graveyard.held(tree):
+        raise AssertionError("a kept guard tree was not released after its threads ended")
+
+
+def report() -> dict[str, Any]:
+    return {"kept_now": _graveyard.count(), **_graveyard.stats, **_stats}

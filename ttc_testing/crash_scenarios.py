@@ -1,0 +1,156 @@
+"""Crash scenarios found by running PyTorch's own tests with pytest-run-parallel (H8, H9), each small enough
+to run in a few seconds without pytest, in its own interpreter, reporting one JSON line (or dying).
+
+    python -m ttc_testing.crash_scenarios NAME [key=value ...]
+
+A scenario that crashes the interpreter leaves no JSON line: :func:`run` reports the signal and the first
+frames faulthandler printed, so a crash counts as the hazard showing.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+from torch_threadsafe_compile.selftest import _main, scenario
+
+MODULE = "ttc_testing.crash_scenarios"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+__all__ = ["run"]
+
+
+def _make_instance(k: float) -> Any:
+    """An instance of a class made at run time: dynamo guards its type by identity (``TYPE_MATCH`` keeps a
+    ``weakref.finalize`` on the class), and the class dies only when the garbage collector finds its cycle —
+    what every test body that defines a class does."""
+
+    class Scale:
+        def __init__(self) -> None:
+            self.k = k
+
+        def f(self, y: Any) -> Any:
+            return y * self.k
+
+    return Scale()
+
+
+@scenario
+def guard_invalidation_race(threads: int = 4, seconds: float = 6.0, backend: str = "eager") -> dict[str, Any]:
+    """H8: ``threads`` threads call one compiled function, each with instances of classes it makes as it goes;
+    once ``recompile_limit`` entries exist every call walks them all (each guard check drops the GIL), while
+    the garbage collector, in any thread, frees classes whose entries dynamo then invalidates."""
+    import torch
+
+    def fn(x: Any, f: Any) -> Any:
+        return f(x) + 1
+
+    opt = torch.compile(fn, backend=backend)
+    stop = threading.Event()
+    calls = [0] * threads
+    errors: dict[str, int] = {}
+
+    def worker(i: int) -> None:
+        x = torch.randn(4)
+        while not stop.is_set():
+            try:
+                opt(x, _make_instance(float(i)).f)
+                calls[i] += 1
+            except Exception as e:  # counted: the question is whether the process survives
+                key = f"{type(e).__name__}: {str(e)[:80]}"
+                errors[key] = errors.get(key, 0) + 1
+            if calls[i] % 3 == 0:
+                gc.collect()
+
+    ts = [threading.Thread(target=worker, args=(i,)) for i in range(threads)]
+    for t in ts:
+        t.start()
+    time.sleep(seconds)
+    stop.set()
+    for t in ts:
+        t.join()
+    entries = torch._C._dynamo.eval_frame._debug_get_cache_entry_list(fn.__code__)
+    return {"calls": sum(calls), "errors": sum(errors.values()), "kinds": list(errors)[:3],
+            "entries": len(entries)}
+
+
+@scenario
+def export_beside_calls(exporters: int = 2, callers: int = 2, seconds: float = 6.0, backend: str = "eager") -> dict[str, Any]:
+    """H9: ``exporters`` threads run ``torch._dynamo.export(f)`` (which calls ``reset_code(f.__code__)`` twice)
+    while ``callers`` threads call ``torch.compile(f)``. One export and one call first, in this thread (the
+    first calls' imports are another hazard, H7)."""
+    import torch
+
+    def f(x: Any) -> Any:
+        return x.sin() + 1
+
+    x0 = torch.randn(3)
+    torch._dynamo.export(f)(x0)
+    torch.compile(f, backend=backend)(x0)
+    stop = threading.Event()
+    counts = {"exports": 0, "calls": 0}
+    errors: dict[str, int] = {}
+
+    def loop(kind: str) -> None:
+        x = torch.randn(3)
+        opt = torch.compile(f, backend=backend)
+        while not stop.is_set():
+            try:
+                if kind == "exports":
+                    torch._dynamo.export(f)(x)
+                else:
+                    opt(x)
+                counts[kind] += 1
+            except Exception as e:  # counted: the question is whether the process survives
+                key = f"{type(e).__name__}: {str(e)[:80]}"
+                errors[key] = errors.get(key, 0) + 1
+
+    ts = [threading.Thread(target=loop, args=("exports",)) for _ in range(exporters)]
+    ts += [threading.Thread(target=loop, args=("calls",)) for _ in range(callers)]
+    for t in ts:
+        t.start()
+    time.sleep(seconds)
+    stop.set()
+    for t in ts:
+        t.join()
+    return {**counts, "errors": sum(errors.values()), "kinds": list(errors)[:3]}
+
+
+def run(name: str, env: dict[str, str] | None = None, timeout: float = 120, **kwargs: Any) -> dict[str, Any]:
+    """Run scenario ``name`` in a fresh interpreter with faulthandler on. Returns its JSON result, or
+    ``{"crashed": True, "signal": NAME, "frames": [...]}`` when it died of a signal."""
+    e = dict(os.environ if env is None else env)
+    e["PYTHONPATH"] = ROOT + (os.pathsep + e["PYTHONPATH"] if e.get("PYTHONPATH") else "")
+    cmd = [sys.executable, "-X", "faulthandler", "-m", MODULE, name, *(f"{k}={v}" for k, v in kwargs.items())]
+    try:
+        p = subprocess.run(cmd, env=e, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    except subprocess.TimeoutExpired:
+        return {"crashed": False, "timed_out": True}
+    for line in p.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return {"crashed": False, "rc": p.returncode, **json.loads(line[len("RESULT "):])}
+    out: dict[str, Any] = {"crashed": p.returncode < 0, "rc": p.returncode, "frames": _first_frames(p.stderr)}
+    if p.returncode < 0:
+        out["signal"] = signal.Signals(-p.returncode).name
+    else:
+        out["tail"] = p.stderr.strip().splitlines()[-5:]
+    return out
+
+
+def _first_frames(text: str, n: int = 4) -> list[str]:
+    """The crashing thread's first frames from faulthandler's dump."""
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith("Current thread"):
+            return [x.strip() for x in lines[i + 1:i + 1 + n]]
+    return []
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:], module=MODULE))
