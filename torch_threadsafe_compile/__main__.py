@@ -60,14 +60,28 @@ def _table(patches: list[dict[str, Any]]) -> list[str]:
     return [("  ".join(str(c).ljust(w) for c, w in zip(r[:4], widths)) + "  " + str(r[4])).rstrip() for r in rows]
 
 
+def _missing(st: dict[str, Any]) -> list[str]:
+    """Why protection is missing in this process (empty: every hazard of this torch is covered, or the
+    package is off on purpose, ``TTC_DISABLE``)."""
+    if st["activation"] == "disabled":
+        return []
+    out = [f"{p['id']} ({p['hazard']}): {p['state']}" for p in st["patches"] if p.get("open")]
+    if st["activation"] == "not activated":
+        out.insert(0, "not activated")
+    return out
+
+
 def _doctor(args: argparse.Namespace) -> int:
+    """Exit status: 0 protected (or off on purpose), 1 protection missing or a hazard shown while active
+    (``--selftest``), 2 usage."""
     import torch_threadsafe_compile as ttc
 
     torch_error = _import_torch(not args.no_dynamo)
     st = ttc.status()
+    missing = _missing(st)
     if args.json:
-        print(json.dumps(dict(st, code_cache=CODE_CACHE), indent=2))
-        return 0
+        print(json.dumps(dict(st, code_cache=CODE_CACHE, protection_missing=missing), indent=2))
+        return 1 if missing else 0
     print(f"torch-threadsafe-compile {st['version']}")
     print(f"python      {st['python']}  ({sys.executable})")
     print(f"torch       {st['torch'] if torch_error is None else 'not importable: ' + torch_error}")
@@ -80,10 +94,12 @@ def _doctor(args: argparse.Namespace) -> int:
             print("\ncompiles per function (first_compile):")
             for fn, row in p["stats"].items():
                 print(f"  {fn}: {row}")
+    if missing:
+        print("\nprotection missing: " + "; ".join(missing))
     if args.selftest:
         print()
-        return _selftest()
-    return 0
+        return max(_selftest(), 1 if missing else 0)
+    return 1 if missing else 0
 
 
 def _selftest() -> int:
@@ -93,12 +109,13 @@ def _selftest() -> int:
     plan = [(c.scenario, c.kwargs) for c in selftest.PLAN]
     procs = {d: selftest.start_many(plan, env={"TTC_DISABLE": d}) for d in ("1", "0")}
     results = {d: selftest.collect_many(p, timeout=300) for d, p in procs.items()}
-    print(f"  {'hazard':6}  {'scenario':18}  {'metric':22}  {'unpatched':>10}  {'active':>10}")
+    print(f"  {'hazard':6}  {'scenario':18}  {'metric':22}  {'unpatched':>10}  {'active':>10}  {'safe':>6}  active ok")
     failed = 0
     for c in selftest.PLAN:
         vals = [results[d].get(c.scenario, {}).get(c.metric, "n/a") for d in ("1", "0")]
-        failed += not all(isinstance(v, (int, float, bool)) for v in vals)
-        print(f"  {c.hazard:6}  {c.scenario:18}  {c.metric:22}  {vals[0]!s:>10}  {vals[1]!s:>10}")
+        ok = isinstance(vals[1], (int, float, bool)) and vals[1] == c.safe  # the hazard does not show active
+        failed += not ok
+        print(f"  {c.hazard:6}  {c.scenario:18}  {c.metric:22}  {vals[0]!s:>10}  {vals[1]!s:>10}  {c.safe!s:>6}  {'yes' if ok else 'NO'}")
     for d, label in (("1", "unpatched"), ("0", "active")):
         if "_error" in results[d]:
             print(f"  {label} interpreter: {results[d]['_error']}")
@@ -117,7 +134,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd != "doctor":
         parser.print_help()
         return 2
-    return _doctor(args)
+    try:
+        return _doctor(args)
+    except BrokenPipeError:
+        # `doctor | head`: the reader is gone. Say nothing more (Python would print a traceback at exit
+        # while flushing stdout): point stdout at /dev/null, as the Python docs recommend.
+        import os
+
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ from enum import Enum
 from typing import Any, Mapping, cast
 
 from torch_threadsafe_compile import _env, _forksafe, _state, _versions
-from torch_threadsafe_compile._patching import Changes, TargetMismatch
+from torch_threadsafe_compile._patching import Changes, SourceUnavailable, TargetBusy, TargetMismatch
 from torch_threadsafe_compile.registry import PATCH_MODULES, Patch, PatchSpec
 
 log = logging.getLogger("torch_threadsafe_compile")
@@ -49,6 +49,15 @@ class Skip(str, Enum):
     FIXED_UPSTREAM = "fixed upstream"
     OUT_OF_RANGE = "out of range"
     TARGET_CHANGED = "target changed"
+    SOURCE_UNAVAILABLE = "source unavailable"  # torch's source cannot be read: the patch cannot prove its rewrite
+    BUSY_TOO_LONG = "target busy"  # its target stayed in use (a trace in progress) for BUSY_RETRY_S
+
+
+# Skips that leave a hazard open for a reason other than the torch version: each is said in a warning line.
+LOST = frozenset({Skip.TARGET_CHANGED, Skip.SOURCE_UNAVAILABLE, Skip.BUSY_TOO_LONG})
+# A patch whose target is busy (TargetBusy) is tried again every BUSY_RETRY_EVERY_S, for BUSY_RETRY_S at most.
+BUSY_RETRY_EVERY_S = 0.2
+BUSY_RETRY_S = 60.0
 
 
 @dataclass
@@ -76,10 +85,21 @@ def _after_fork() -> None:
     _lock = threading.RLock()  # a thread of the parent may have been installing
 
 
+DETAILS = " (details: TTC_LOG=info, or python -m torch_threadsafe_compile doctor)"
+
+
 def warn(msg: str) -> None:
     """One line on stderr for the first problem of the process (never more); every problem in the log."""
     log.info(msg)
-    _state.warn_once(msg + " (details: TTC_LOG=info, or python -m torch_threadsafe_compile doctor)")
+    _state.warn_once(msg + DETAILS)
+
+
+def _say_lost(lost: list[PatchState]) -> None:
+    """One line for every settling pass in which patches ended without giving their protection."""
+    if lost:
+        what = "; ".join(f"{ps.spec.id} ({ps.spec.hazard}) {ps.state.value}: {ps.reason}" for ps in lost)
+        log.warning("hazards left open: %s", what)
+        _state.warn_line(f"hazards left open, torch runs without these patches: {what}{DETAILS}")
 
 
 def _configure_logging(level: str | None) -> None:
@@ -154,25 +174,56 @@ def _try_apply(ps: PatchState) -> None:
         problem = ps.impl.check()
         if problem:
             ps.settle(State.SKIPPED, f"target changed: {problem}", Skip.TARGET_CHANGED)
-            log.info("%s skipped: %s", ps.spec.id, ps.reason)
             return
         ps.extra = ps.impl.apply(changes) or {}
         ps.changes = changes
         ps.impl.verify()
+    except TargetBusy as e:
+        _undo(changes)
+        ps.changes = None
+        _busy(ps, str(e))
+        return
+    except SourceUnavailable as e:
+        _undo(changes)
+        ps.changes = None
+        ps.settle(State.SKIPPED, f"{e}; a stripped or locked-down torch install?", Skip.SOURCE_UNAVAILABLE)
+        return
     except TargetMismatch as e:
         _undo(changes)
         ps.changes = None
         ps.settle(State.SKIPPED, f"target changed: {e}", Skip.TARGET_CHANGED)
-        log.info("%s skipped: %s", ps.spec.id, ps.reason)
         return
     except Exception as e:
         _undo(changes)
         ps.changes = None
-        ps.settle(State.FAILED, f"{type(e).__name__}: {e}")
-        warn(f"patch {ps.spec.id} ({ps.spec.hazard}) failed and was reverted: {ps.reason}; torch runs without it")
+        ps.settle(State.FAILED, f"{type(e).__name__}: {e}; reverted")
         return
     ps.settle(State.APPLIED)
+    _busy_since.pop(ps.spec.id, None)
     log.debug("%s applied", ps.spec.id)
+
+
+# patch id -> when its target was first found busy (TargetBusy); such a patch stays pending and is retried.
+_busy_since: dict[str, float] = {}
+_retry: list[threading.Timer] = []
+
+
+def _busy(ps: PatchState, why: str) -> None:
+    """The target is in use: stay pending and try again shortly (a timer), for BUSY_RETRY_S at most."""
+    import time
+
+    first = _busy_since.setdefault(ps.spec.id, time.monotonic())
+    if time.monotonic() - first > BUSY_RETRY_S:
+        _busy_since.pop(ps.spec.id, None)
+        ps.settle(State.SKIPPED, f"{why} for {BUSY_RETRY_S:.0f} s; install() again when idle", Skip.BUSY_TOO_LONG)
+        return
+    ps.settle(State.PENDING, f"waits: {why} (tried again every {BUSY_RETRY_EVERY_S} s)")
+    if not any(t.is_alive() for t in _retry):
+        timer = threading.Timer(BUSY_RETRY_EVERY_S, apply_ready)
+        timer.daemon = True
+        timer.name = "ttc-retry"
+        _retry[:] = [timer]
+        timer.start()
 
 
 def _ready(ps: PatchState, table: dict[str, PatchState]) -> bool:
@@ -196,14 +247,17 @@ def apply_ready() -> None:
                 if skip is not None:
                     ps.settle(State.SKIPPED, skip[1], skip[0])
                     log.debug("%s skipped: %s", ps.spec.id, ps.reason)
-        # Loop: applying one patch can make a later one ready (``after``).
+        # Loop: applying one patch can make a later one ready (``after``). A busy target is tried once a pass.
+        tried: set[str] = set()
         progress = True
         while progress:
             progress = False
             for ps in table.values():
-                if ps.state is State.PENDING and _ready(ps, table):
+                if ps.state is State.PENDING and ps.spec.id not in tried and _ready(ps, table):
+                    tried.add(ps.spec.id)
                     _try_apply(ps)
                     progress = True
+        _say_lost([ps for ps in table.values() if ps.spec.id in tried and (ps.state is State.FAILED or ps.skip in LOST)])
 
 
 def on_module_imported(name: str) -> None:
@@ -216,7 +270,7 @@ def reset_for_install() -> None:
     """``install()`` after ``uninstall()`` (or after a target was busy): those patches are pending again."""
     with _lock:
         for ps in states().values():
-            if ps.state is State.REVERTED or ps.skip is Skip.TARGET_CHANGED:
+            if ps.state in (State.REVERTED, State.FAILED) or ps.skip in LOST:
                 ps.settle(State.PENDING)
 
 

@@ -39,6 +39,16 @@ class TargetMismatch(Exception):
     """A patch target does not look as expected: the patch is skipped with this reason, never guessed."""
 
 
+class SourceUnavailable(TargetMismatch):
+    """torch's source of a function the patch must rewrite cannot be read (a stripped or locked-down
+    install): the target may be exactly as expected, but the patch cannot prove it, so it stays out."""
+
+
+class TargetBusy(Exception):
+    """The target is in use right now (a trace in progress in another thread): the patch is tried again
+    shortly, not skipped."""
+
+
 def _record(obj: Any, attr: str, original: Any, new: Any, patch_id: str) -> tuple[int, str]:
     key = (id(obj), attr)
     _journal_index[key] = (obj, attr, original, new, patch_id)
@@ -130,12 +140,19 @@ class Changes:
         self._undo.append(undo)
         self._checks.append((f"{module.__name__}.__class__", lambda: isinstance(module, cls)))
 
-    def inject(self, namespace: dict[str, Any], name: str, value: Any) -> None:
-        """Add a private name to a module's namespace (e.g. the thread-local object that rewritten code reads)."""
-        if name in namespace:
+    def inject(self, namespace: dict[str, Any], name: str, value: Any, linger: bool = False) -> None:
+        """Add a private name to a module's namespace (e.g. the thread-local object that rewritten code reads).
+
+        ``linger``: revert leaves the name bound. Rewritten code may still be running after ``uninstall()``
+        (a generator suspended inside it, such as ``_compile_session_context`` in another thread's compile)
+        and reads the name when it resumes: removing it raised ``NameError`` there. A later inject of the
+        same name replaces a lingering value of ours (marked ``_ttc_injected``) instead of refusing.
+        """
+        if name in namespace and not getattr(namespace[name], "_ttc_injected", False):
             raise TargetMismatch(f"{namespace.get('__name__', '?')}.{name} already exists")
         namespace[name] = value
-        self._undo.append(lambda: namespace.pop(name, None))
+        if not linger:
+            self._undo.append(lambda: namespace.pop(name, None))
 
     def on_revert(self, fn: Callable[[], None]) -> None:
         self._undo.append(fn)
@@ -211,9 +228,12 @@ def get_original(obj: Any, attr: str) -> Any:
 # -- thread-local module globals ------------------------------------------------------------------
 
 
+_MISSING_DEFAULT: Any = object()
+
+
 def make_thread_local(default: Any) -> threading.local:
     """A ``threading.local`` whose ``value`` is ``default`` in every thread until that thread sets it."""
-    cls = type("ThreadLocalFlag", (threading.local,), {"value": default})
+    cls = type("ThreadLocalFlag", (threading.local,), {"value": default, "_ttc_injected": True})
     tls: threading.local = cls()
     return tls
 
@@ -248,7 +268,7 @@ def _function_source(code: types.CodeType) -> ast.FunctionDef | ast.AsyncFunctio
         with open(code.co_filename, encoding="utf-8") as fh:
             lines = fh.read().splitlines(True)[code.co_firstlineno - 1 :]
     except OSError as e:
-        raise TargetMismatch(f"cannot read the source of {code.co_name}: {e}") from e
+        raise SourceUnavailable(f"cannot read torch's source of {code.co_name} ({type(e).__name__}: {e})") from e
     positions = getattr(code, "co_positions", None)
     if positions is not None:  # 3.11+: the last line any instruction spans ends the definition
         last = max((end for _, end, _, _ in positions() if end is not None), default=code.co_firstlineno)
@@ -395,20 +415,23 @@ def thread_local_global(
     module: types.ModuleType,
     name: str,
     functions: list[types.FunctionType],
+    default: Any = _MISSING_DEFAULT,
 ) -> threading.local:
     """Make module global ``name`` per-thread.
 
     * readers/writers inside ``module`` (``functions``, small ones) get their code rewritten to use the
       thread-local (:func:`rewrite_global`);
     * ``module.name`` reads and writes from anywhere else go through a property on the module's class;
-    * every thread starts from the value the global has now (normally the upstream default).
+    * every thread starts from ``default``, or else from the value the global has now. A flag that another
+      thread holds set while the patch applies (a late ``install()`` during a compile) must not become
+      every thread's start value: such patches pass the upstream default.
     """
     if name not in module.__dict__:
         raise TargetMismatch(f"{module.__name__}.{name} does not exist")
-    tls = make_thread_local(module.__dict__[name])
+    tls = make_thread_local(module.__dict__[name] if default is _MISSING_DEFAULT else default)
     tls_name = f"_ttc_tls_{name.strip('_')}"
     new_codes = [(f, rewrite_global(f, name, tls_name)) for f in functions]  # all or nothing
-    changes.inject(module.__dict__, tls_name, tls)
+    changes.inject(module.__dict__, tls_name, tls, linger=True)
 
     def fget(_mod: types.ModuleType, _tls: threading.local = tls) -> Any:
         return _tls.value

@@ -14,7 +14,7 @@ from __future__ import annotations
 import sys
 import warnings
 
-__all__ = ["TTCWarning", "mode", "inactive_reason", "warn_once"]
+__all__ = ["TTCWarning", "mode", "inactive_reason", "warn_once", "warn_line"]
 
 
 class TTCWarning(UserWarning):
@@ -40,6 +40,12 @@ def warn_once(msg: str) -> None:
     if _warned:
         return
     _warned = True
+    warn_line(msg)
+
+
+def warn_line(msg: str) -> None:
+    """Emit ``msg`` as one line on stderr (see :func:`warn_once`), every time: for protection that a patch
+    could not give, which must never go unsaid, even after the start-up line was spent."""
     try:
         # Shown as "torch-threadsafe-compile:0: TTCWarning: <msg>".
         warnings.warn_explicit(msg, TTCWarning, "torch-threadsafe-compile", 0, module="torch_threadsafe_compile")

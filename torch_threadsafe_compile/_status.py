@@ -31,8 +31,12 @@ def _row(ps: _lifecycle.PatchState, disabled: bool) -> dict[str, Any]:
     }
     if disabled:
         return row
-    if ps.state is State.PENDING:
-        if "torch" not in sys.modules:
+    # The hazard stays open for a reason other than this torch's version or an upstream fix.
+    row["open"] = ps.state is State.FAILED or ps.skip in _lifecycle.LOST or (ps.state is State.PENDING and _state.mode is None)
+    if ps.state is State.PENDING and not ps.reason:
+        if _state.mode is None:
+            row["reason"] = "not activated: the start-up hook did not run (install() applies it)"
+        elif "torch" not in sys.modules:
             row["reason"] = "waits for torch"
         else:
             missing = [m for m in spec.modules if m not in sys.modules]
@@ -61,8 +65,8 @@ def build() -> dict[str, Any]:
         "inactive_reason": _state.inactive_reason,
         "patches": [],
     }
-    if torch_mod is not None and not settings.disabled:
-        _lifecycle.apply_ready()  # settle what can be settled (e.g. version checks) before reporting
+    # Only reads: patches settle when their modules are imported (or at install()), never because someone
+    # asked (a process where the start-up hook did not run would otherwise be patched by a status() call).
     with _lifecycle._lock:
         out["patches"] = [_row(ps, settings.disabled) for ps in _lifecycle.states().values()]
     return out

@@ -57,7 +57,10 @@ def check() -> str | None:
 
 def apply(changes: Changes) -> dict[str, Any]:
     mod = _module()
-    thread_local_global(changes, mod, FLAG, _functions(mod))
+    # Every thread starts outside a compile (upstream's initial value), also when install() runs while
+    # another thread compiles and the global is True for now: that would leave is_compiling() True in every
+    # thread for good.
+    thread_local_global(changes, mod, FLAG, _functions(mod), default=False)
     return {}
 
 

@@ -36,7 +36,7 @@ import threading
 from typing import Any, Callable, Iterator
 
 from torch_threadsafe_compile import _forksafe
-from torch_threadsafe_compile._patching import Changes, TargetMismatch, run_in_thread, thread_local_global
+from torch_threadsafe_compile._patching import Changes, TargetBusy, run_in_thread, thread_local_global
 from torch_threadsafe_compile._torch import call_plumbing, compile_lock_first, loaded, skip_code
 from torch_threadsafe_compile.registry import PatchSpec
 
@@ -210,7 +210,7 @@ def apply(changes: Changes) -> dict[str, Any]:
         fn = getattr(mod, name)
         users.append(getattr(fn, "__wrapped__", fn))
     if mod.__dict__["CURRENT_PATCHER"] is not None:
-        raise TargetMismatch("a symbolic trace is in progress; install() again when idle")
+        raise TargetBusy("a symbolic trace is in progress")
     thread_local_global(changes, mod, "CURRENT_PATCHER", users)
     call_plumbing.append(DISPATCH_CODE)
     changes.on_revert(lambda: call_plumbing.remove(DISPATCH_CODE))

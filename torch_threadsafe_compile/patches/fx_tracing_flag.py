@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch_threadsafe_compile._patching import Changes, TargetMismatch, run_in_thread, scoped_value, thread_local_global
+from torch_threadsafe_compile._patching import Changes, run_in_thread, scoped_value, thread_local_global
 from torch_threadsafe_compile._torch import loaded
 from torch_threadsafe_compile.registry import PatchSpec
 
@@ -76,21 +76,34 @@ def check() -> str | None:
 def apply(changes: Changes) -> dict[str, Any]:
     mod = _module()
     readers = [getattr(mod, n) for n in READERS if callable(getattr(mod, n, None))]
-    if mod.__dict__[FLAG] is not False:
-        # Activation normally happens before anything traces; if a trace is running right now, the global
-        # is True and would become every new thread's default.
-        raise TargetMismatch(f"{FLAG} is set (a trace is in progress); install() again when idle")
-    tls = thread_local_global(changes, mod, FLAG, readers)
+    # Every thread starts untraced (upstream's initial value), even when install() runs while another
+    # thread is inside a trace: that trace's original code goes on writing the module global, which nobody
+    # reads any more.
+    tls = thread_local_global(changes, mod, FLAG, readers, default=False)
     scoped_value(changes, _unwrap(mod.Tracer.__dict__["trace"]), _trace_trampoline, tls, True)
     return {"readers": [f.__name__ for f in readers]}
+
+
+def _isolated(reader: Any) -> Any:
+    """``reader`` over a copy of its module's globals in which ``torch.compiler.is_compiling()`` is False.
+
+    ``is_fx_symbolic_tracing`` is ``flag and not torch.compiler.is_compiling()``: while another thread
+    compiles and H2's patch (which applies after this one) is not in place yet, the process-wide compiling
+    flag is True, and a check through the real globals would fail for a reason that is not this patch's
+    (a late ``install()`` under load did). ``is_fx_tracing`` itself logs upstream's one-time warning.
+    """
+    import types
+
+    not_compiling = types.SimpleNamespace(compiler=types.SimpleNamespace(is_compiling=lambda: False))
+    scope = dict(reader.__globals__, torch=not_compiling)
+    return types.FunctionType(reader.__code__, scope, reader.__name__, reader.__defaults__, reader.__closure__)
 
 
 def verify() -> None:
     mod = _module()
     tls = mod.__dict__["_ttc_tls_is_fx_tracing_flag"]
     old = tls.value
-    # is_fx_tracing() logs a one-time warning upstream; prefer the reader that does not.
-    reader = getattr(mod, "is_fx_symbolic_tracing", None) or mod.is_fx_tracing
+    reader = _isolated(getattr(mod, "is_fx_symbolic_tracing", None) or mod.is_fx_tracing)
     tls.value = True
     try:
         if not reader():

@@ -95,8 +95,13 @@ class FrameCallback:
         @functools.wraps(self.original)
         def __call__(callback: Any, frame: Any, *args: Any, **kwargs: Any) -> Any:
             # The frame below this one is the caller of the frame being compiled (that frame is not on the
-            # Python stack yet): a gate, dynamo's compile_wrapper, module plumbing, or compiled code.
-            return handle(callback, frame, sys._getframe(1), args, kwargs)
+            # Python stack yet): a gate, dynamo's compile_wrapper, module plumbing, or compiled code. There
+            # is none for the first frame of a greenlet (gevent), which C code starts on an empty stack.
+            try:
+                caller = sys._getframe(1)
+            except ValueError:
+                caller = None
+            return handle(callback, frame, caller, args, kwargs)
 
         return __call__
 

@@ -83,15 +83,28 @@ class GateCall:
 all_stacks: dict[int, list[Any]] = {}
 
 
-class _Stacks(threading.local):
-    def __init__(self) -> None:
-        self.stack: list[Any] = []
-        all_stacks[threading.get_ident()] = self.stack
+def _stacks_init(self: Any) -> None:
+    self.stack = []
+    all_stacks[threading.get_ident()] = self.stack
+
+
+def _new_stacks() -> Any:
+    """The per-thread holder of the stacks, built on ``threading.local`` as it is now: gevent's greenlet-local
+    once gevent patched threading (greenlets of one thread must not share a stack: their pushes and pops
+    interleave when one switches inside a compiled call)."""
+    return type("_Stacks", (threading.local,), {"__init__": _stacks_init})()
 
 
 # ``stacks.stack``: this thread's stack of gated calls: keys (code objects or None), ModuleTarget, RESUME,
 # or GateCall objects.
-stacks = _Stacks()
+stacks = _new_stacks()
+
+
+def rebind_locals() -> None:
+    """gevent patched threading after this module was imported: gates made from now on keep a stack per
+    greenlet (gates made before keep one per OS thread, and their callers are not gated for H3's retries)."""
+    global stacks
+    stacks = _new_stacks()
 
 
 @_forksafe.in_child
@@ -104,7 +117,8 @@ def _after_fork() -> None:
 
 
 def stack() -> list[Any]:
-    return stacks.stack
+    entries: list[Any] = stacks.stack
+    return entries
 
 
 
@@ -137,4 +151,4 @@ def innermost_main(entries: list[Any]) -> GateCall | None:
 
 # Code objects that may run under dynamo's active frame callback (a gate called from compiled code):
 # dynamo must run them as they are.
-HELPER_CODES = (_Stacks.__init__.__code__,)
+HELPER_CODES = (_stacks_init.__code__,)

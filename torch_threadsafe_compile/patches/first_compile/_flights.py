@@ -48,17 +48,27 @@ flights: dict[types.CodeType, list[Flight]] = {}
 _lock = threading.Lock()
 
 
-class _Internal(threading.local):
-    def __init__(self) -> None:
-        # Set while this thread runs the bookkeeping below. These helpers can run under an active dynamo
-        # callback (a gated function called from compiled code), so the frames they create (threading's
-        # Event, Condition) reach the frame callback, which must not re-enter the bookkeeping.
-        self.busy = False
-        # Dynamo callbacks (compiles) under way in this thread: such a thread never waits for a flight.
-        self.compiling = 0
+def _internal_init(self: Any) -> None:
+    # Set while this thread runs the bookkeeping below. These helpers can run under an active dynamo
+    # callback (a gated function called from compiled code), so the frames they create (threading's
+    # Event, Condition) reach the frame callback, which must not re-enter the bookkeeping.
+    self.busy = False
+    # Dynamo callbacks (compiles) under way in this thread: such a thread never waits for a flight.
+    self.compiling = 0
 
 
-internal = _Internal()
+def _new_internal() -> Any:
+    """Built on ``threading.local`` as it is now (gevent's greenlet-local once gevent patched threading)."""
+    return type("_Internal", (threading.local,), {"__init__": _internal_init})()
+
+
+internal = _new_internal()
+
+
+def rebind_locals() -> None:
+    """gevent patched threading after this module was imported (see ``_calls.rebind_locals``)."""
+    global internal
+    internal = _new_internal()
 
 
 @_forksafe.in_child
@@ -168,4 +178,5 @@ def await_others(key: types.CodeType) -> float:
 
 
 # Code objects dynamo must run as they are when a gated call happens inside compiled code.
-HELPER_CODES = (takeoff.__code__, land.__code__, fly.__code__, await_others.__code__, Flight.__init__.__code__)
+HELPER_CODES = (takeoff.__code__, land.__code__, fly.__code__, await_others.__code__, Flight.__init__.__code__,
+                _internal_init.__code__)

@@ -1,0 +1,35 @@
+"""gevent: greenlets of one OS thread must not share the per-thread state of the compile gate.
+
+torch itself is not greenlet-safe (two greenlets compiling at once in one thread mix their fake-tensor modes,
+or crash: measured unpatched), but programs that compile in one greenlet and call the compiled functions
+from many work upstream, also when a greenlet switches inside a compiled call (I/O after a graph break).
+The gate keeps a stack of gated calls per thread (``first_compile/_calls``); greenlets of one thread
+sharing it interleave their pushes and pops.
+
+* gevent patched before torch was imported: ``threading.local`` is gevent's greenlet-local when the gate's
+  state is built, and nothing more is needed.
+* torch imported first: gevent calls :func:`did_patch_module` (a ``gevent.plugins.monkey.did_patch_module``
+  entry point of this package) when it patches ``threading``; the gate's state is built anew on gevent's
+  local, for gates made from then on. Functions compiled before that keep one stack per OS thread; their
+  calls are then not gated for H3's retries (``first_compile``), but never fail.
+
+Reads ``sys.modules`` only: nothing is imported by gevent's event.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+STATE_MODULES = ("torch_threadsafe_compile.patches.first_compile._calls",
+                 "torch_threadsafe_compile.patches.first_compile._flights")
+
+
+def did_patch_module(event: Any) -> None:
+    """gevent's event after it patched a module (``GeventDidPatchModuleEvent``)."""
+    if getattr(event, "module_name", None) != "threading":
+        return
+    for name in STATE_MODULES:
+        rebind = getattr(sys.modules.get(name), "rebind_locals", None)
+        if rebind is not None:
+            rebind()
