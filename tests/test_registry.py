@@ -69,8 +69,11 @@ def snapshot():
         "CM.__setattr__": cm.ConfigModule.__dict__["__setattr__"], "CM.__delattr__": cm.ConfigModule.__dict__["__delattr__"],
         "Patcher.patch": st._Patcher.__dict__["patch"], "Patcher.patch_method": st._Patcher.__dict__["patch_method"],
         "st._new_patcher": st.__dict__.get("_new_patcher"),
-        "st.names": sorted(k for k in vars(st) if k.startswith("_ttc")),
-        "compiler.names": sorted(k for k in vars(torch.compiler) if k.startswith("_ttc")),
+        # The thread-local objects that rewritten code reads stay bound after uninstall(): a generator
+        # suspended inside rewritten code (another thread's compile session) reads them when it resumes
+        # (_patching.Changes.inject, linger=True). Every other name of ours is gone.
+        "st.names": sorted(k for k in vars(st) if k.startswith("_ttc") and not k.startswith("_ttc_tls_")),
+        "compiler.names": sorted(k for k in vars(torch.compiler) if k.startswith("_ttc") and not k.startswith("_ttc_tls_")),
     }
     for name in ("is_fx_tracing", "is_fx_symbolic_tracing"):
         f = getattr(st, name, None)
