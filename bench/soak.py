@@ -47,6 +47,8 @@ def row(res: dict[str, Any]) -> str:
         return f"| ? | ? | {ttc} | | | | | | {what} | | | | |"
     if res.get("import_dynamo_first"):
         ttc += ", `import torch._dynamo` first"
+    if res.get("resets") or res.get("config_changes"):
+        ttc += f", {res.get('resets', 0)} resets, {res.get('config_changes', 0)} config changes"
     failed = (res.get("ttc") or {}).get("failed") or {}
     if failed and not res.get("disable"):
         ttc += " (failed patches: " + ", ".join(sorted(failed)) + ")"
@@ -70,6 +72,8 @@ def config_from(args: argparse.Namespace) -> harness.SoakConfig:
         seed=args.seed,
         device=args.device,
         import_dynamo_first=args.import_dynamo_first,
+        reset_every=args.reset_every,
+        config_every=args.config_every,
     )
 
 
@@ -85,6 +89,10 @@ def command_line(args: argparse.Namespace, disable: bool) -> str:
         parts += ["--device", args.device]
     if args.import_dynamo_first:
         parts.append("--import-dynamo-first")
+    if args.reset_every:
+        parts += ["--reset-every", f"{args.reset_every:g}"]
+    if args.config_every:
+        parts += ["--config-every", f"{args.config_every:g}"]
     if disable:
         parts.append("--disable")
     return " ".join(shlex.quote(p) for p in parts)
@@ -118,6 +126,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cpu", help="cpu or cuda (inputs and module copies on that device)")
     p.add_argument("--import-dynamo-first", action="store_true",
                    help="`import torch._dynamo` before the first torch.compile (works around a package bug, see docs)")
+    p.add_argument("--reset-every", type=float, default=None, metavar="S",
+                   help="torture: one more thread calls torch._dynamo.reset() every S seconds")
+    p.add_argument("--config-every", type=float, default=None, metavar="S",
+                   help="torture: one more thread assigns / config.patch()es the recompile limit every S seconds")
     p.add_argument("--disable", action="store_true", help="run with TTC_DISABLE=1")
     p.add_argument("--table", action="store_true", help="run active and TTC_DISABLE=1, update docs/reliability.md")
     p.add_argument("--json", action="store_true", help="also print the full result as JSON")

@@ -76,6 +76,11 @@ class SoakConfig:
     dim: int = 16  # feature size of the inputs
     device: str = "cpu"  # "cuda" on a GPU machine: inputs and module copies live there
     kinds: Optional[list[str]] = None  # restrict the kinds cycled through (diagnosis); default KINDS
+    # The torture variant: torch._dynamo.reset() every reset_every s (one more thread), and the recompile
+    # limit assigned / config.patch'ed every config_every s (another); None: off. Resets force recompiles,
+    # so the compile counts then say nothing about H3; errors, mismatches and hangs still count.
+    reset_every: Optional[float] = None
+    config_every: Optional[float] = None
 
     def effective_deadline(self) -> float:
         """Generous: cold compiles on 2 CPU cores can take minutes in total, but a hang is still a hang."""
@@ -445,7 +450,7 @@ def run_soak(cfg: SoakConfig) -> dict[str, Any]:
     tol = TOLERANCES_INDUCTOR if cfg.backend == "inductor" else TOLERANCES
     rec = _Recorder()
     stop = threading.Event()
-    barrier = threading.Barrier(cfg.threads + cfg.tracers)
+    barrier = threading.Barrier(cfg.threads + cfg.tracers + bool(cfg.reset_every) + bool(cfg.config_every))
     dtypes = ("float32", "float64")
 
     # Every (function, dtype, shape, grad) combination, in one fixed order for the first pass: all threads
@@ -515,8 +520,40 @@ def run_soak(cfg: SoakConfig) -> dict[str, Any]:
                         if len(rec.mismatch_msgs) < 5:
                             rec.mismatch_msgs.append(f"tracer:{name}: max|diff|={diff:.3g}")
 
+    churn = {"resets": 0, "config_changes": 0}
+
+    def resetter(every: float) -> None:
+        barrier.wait()
+        while not stop.wait(every):
+            try:
+                torch._dynamo.reset()
+                churn["resets"] += 1
+            except Exception as e:
+                rec.error("reset", e)
+
+    def configurer(every: float) -> None:
+        config = torch._dynamo.config
+        name = "recompile_limit" if "recompile_limit" in config._config else "cache_size_limit"
+        barrier.wait()
+        k = 0
+        while not stop.wait(every):
+            k += 1
+            try:
+                if k % 2:
+                    setattr(config, name, 8 + k % 3)
+                else:
+                    with config.patch(**{name: 16}):
+                        time.sleep(every / 2)
+                churn["config_changes"] += 1
+            except Exception as e:
+                rec.error("config", e)
+
     threads = [threading.Thread(target=worker, args=(i,), name=f"worker-{i}", daemon=True) for i in range(cfg.threads)]
     threads += [threading.Thread(target=tracer, args=(i,), name=f"tracer-{i}", daemon=True) for i in range(cfg.tracers)]
+    if cfg.reset_every:
+        threads.append(threading.Thread(target=resetter, args=(cfg.reset_every,), name="resetter", daemon=True))
+    if cfg.config_every:
+        threads.append(threading.Thread(target=configurer, args=(cfg.config_every,), name="configurer", daemon=True))
     t_run = time.monotonic()
     for t in threads:
         t.start()
@@ -578,6 +615,8 @@ def run_soak(cfg: SoakConfig) -> dict[str, Any]:
             "victim_faults": _fault_backend[0].faults if _fault_backend else None,
             "victim_max_call_s": round(rec.victim_max_call_s, 2),
             "victim_guard_sets": sum(1 for k in exercised if k[0] == "victim"),
+            "resets": churn["resets"],
+            "config_changes": churn["config_changes"],
             "first_compile": _first_compile_totals(),
         }
     result["uncompiled_calls"] = result["uncompiled_frames"] + result["recompile_limit_breaks"]
