@@ -168,6 +168,15 @@ def test_h7_is_exporting_only_in_the_exporting_thread() -> None:
     assert on["true"] == 0 and on["raw_returned"] == 0 and on["polls"] > 1000 and on["exports"] > 0
 
 
+def test_h7_exports_from_two_threads_take_turns() -> None:
+    """patch export_serial: two threads export in a loop; each export's module hierarchy and flags live in
+    module globals that the other one clears (unpatched: most exports fail)."""
+    off, on = pair("concurrent_exports", unpatched_may_crash=True, seconds=5, threads=2)
+    assert "crashed" in off or off["errors"] > 0
+    assert on["errors"] == 0 and on["wrong"] == 0, on["first_error"]
+    assert on["exports"] > 2
+
+
 def test_h7_export_does_not_break_other_threads_compiles() -> None:
     """patch export_lock: compiles in other threads while one thread exports in a loop all succeed."""
     off, on = pair("export_vs_compile", unpatched_may_crash=True, seconds=8, compilers=3)

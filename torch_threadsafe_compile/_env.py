@@ -27,7 +27,7 @@ WATCHDOG_MIN_S = 0.1
 # check them without importing the registry (tests/test_registry.py checks that the two agree).
 KNOWN_PATCHES = frozenset({
     "fx_tracing_flag", "fx_patcher", "compile_session_flag", "export_flag", "config_overrides", "dynamic_flags",
-    "compile_import_lock", "compile_lock_watchdog", "export_lock", "lazy_backward", "cuda_device_guard",
+    "compile_import_lock", "compile_lock_watchdog", "export_lock", "export_serial", "lazy_backward", "cuda_device_guard",
     "first_compile", "cudagraph_trees_per_thread", "cudagraph_rng", "guard_invalidation",
     "code_reset",
 })

@@ -37,6 +37,7 @@ PATCH_MODULES: tuple[str, ...] = (
     "compile_import_lock",  # H7
     "compile_lock_watchdog",  # H4 (detector)
     "export_lock",  # H7
+    "export_serial",  # H7
     "lazy_backward",  # H4
     "cuda_device_guard",  # H3 (crash)
     "guard_invalidation",  # H8 (crash)

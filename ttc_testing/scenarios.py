@@ -800,6 +800,43 @@ def backward_resets(seconds: float = 20.0, threads: int = 8, reset_every: float 
 
 
 @scenario
+def concurrent_exports(seconds: float = 5.0, threads: int = 2) -> dict[str, Any]:
+    """H7: ``threads`` threads run ``torch.export.export`` in a loop. Upstream keeps an export's module
+    hierarchy and flags in module globals of ``torch.export._trace`` that each export sets at its start and
+    clears at its end, so another thread's export fails (``_EXPORT_MODULE_HIERARCHY must not be None``)."""
+    import torch
+    import torch.export
+
+    class M(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x: Any) -> Any:
+            return self.lin(x).relu()
+
+    stop = threading.Event()
+    counts = {"exports": 0, "errors": 0, "wrong": 0}
+    first_error: list[str] = []
+
+    def exporter() -> None:
+        m = M()
+        x = torch.randn(2, 4)
+        while not stop.is_set():
+            try:
+                ep = torch.export.export(m, (x,))
+                if not torch.allclose(ep.module()(x), m(x)):
+                    counts["wrong"] += 1
+                counts["exports"] += 1
+            except Exception as e:
+                counts["errors"] += 1
+                first_error[:] = first_error or [f"{type(e).__name__}: {str(e)[:160]}"]
+
+    _run_for([threading.Thread(target=exporter) for _ in range(threads)], seconds, stop)
+    return dict(counts, first_error=first_error[0] if first_error else "")
+
+
+@scenario
 def first_import(threads: int = 16) -> dict[str, Any]:
     """H7 (imports): ``threads`` threads make the first ``torch.compile`` / ``torch.export.export`` calls of a
     fresh interpreter at once (half compile and call a function, half export a module). Upstream they enter
