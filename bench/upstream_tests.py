@@ -9,6 +9,7 @@ a test that passes with ``TTC_DISABLE=1`` must pass with the package active. Thi
     python bench/upstream_tests.py --files 'dynamo/*' --files test_utils_config_module.py
     python bench/upstream_tests.py --list                         # which files would run
     python bench/upstream_tests.py --md docs/upstream-tests.md --json results.json   # table into the doc
+    python bench/upstream_tests.py --parallel-threads 4 --md docs/upstream-tests.md  # every test body in 4 threads
 
 Test roots (each one a ``test/`` folder laid out as in ``pytorch/pytorch``, with an optional
 ``../baseline-disabled.txt`` of tests known to fail with ``TTC_DISABLE=1``):
@@ -37,6 +38,15 @@ earlier tests). Exit status: 0 when there is no active-only failure, 1 when ther
 comparison could not be made (no test file, the package not active in the active child, or in effect in
 the disabled one).
 
+With ``--parallel-threads N`` (N > 1) every test body runs in N threads at once (pytest-run-parallel, which
+must be installed where the tests run), except tests that call one of :data:`THREAD_UNSAFE` (each with the
+reason: it changes process-global state by itself, so N copies of it at once test the test, not torch);
+those run in one thread. The children run with faulthandler on and under an address-space limit
+(``--memory-limit-gb``, so that a test that loops forever in N threads cannot take the machine's memory);
+a file that dies is reported with its signal and faulthandler's first frames of the crashing thread. The
+markdown then also says, per file, which tests the package fixed (failed with ``TTC_DISABLE=1``, passed
+active). Without the option nothing changes.
+
 Standard library only, so the script runs under any Python >= 3.9 (``--python`` picks the interpreter
 that runs the tests; it needs torch, pytest, pytest-timeout and expecttest).
 """
@@ -60,6 +70,7 @@ from typing import Iterable, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 OWN_TESTS = ROOT / "bench" / "pytorch_tests" / "test"
+PLUGINS = ROOT / "bench" / "pytest_plugins"  # ttc_parallel_plan (--parallel-threads)
 SHARED_TESTS = ROOT.parent / "shared" / "pytorch-tests" / "test"
 MODES = ("active", "disabled")
 FAILED = ("failed", "error")
@@ -89,6 +100,23 @@ print("TTC-PROBE " + json.dumps(info))
 """
 
 
+# What pytest-run-parallel must run in one thread (its ``thread_unsafe_functions``): functions that, called
+# from a test body, change process-global state on their own, so N threads of the same test would fight over
+# it whatever torch does. The plugin already treats ``unittest.mock.*`` and ``gc.collect`` as unsafe; the
+# mock entries are listed anyway, as the reason is the same. Each entry: (qualified name, reason).
+THREAD_UNSAFE: tuple[tuple[str, str], ...] = (
+    ("torch._dynamo.reset", "frees every compiled function of the process, the other threads' included"),
+    ("torch._dynamo.reset_code_caches", "frees the compiled code of every function of the process"),
+    ("torch.compiler.reset", "calls torch._dynamo.reset"),
+    ("torch._dynamo.testing.standard_test", "calls torch._dynamo.reset before and after its checks"),
+    ("torch._dynamo.explain", "calls torch._dynamo.reset before and after it runs the function"),
+    ("unittest.mock.patch", "replaces a module attribute for every thread while the test runs"),
+    ("unittest.mock.patch.object", "replaces an object's attribute for every thread while the test runs"),
+    ("unittest.mock.patch.dict", "changes a process-global dict (os.environ, a registry) for every thread"),
+    ("torch.profiler.profile", "one profiler per process: a second one in another thread fails to start"),
+)
+
+
 @dataclass
 class TestFile:
     root: Path
@@ -107,6 +135,8 @@ class Run:
     wall_s: float
     timed_out: bool = False
     crashed: str = ""  # why there are no per-test results (no XML, pytest usage/internal error, ...)
+    signal: str = ""  # the signal that killed pytest (SIGSEGV, ...), empty when it exited
+    frames: list[str] = field(default_factory=list)  # faulthandler: the crashing thread's first frames
     statuses: dict[str, str] = field(default_factory=dict)  # node id -> passed/failed/error/skipped
     messages: dict[str, str] = field(default_factory=dict)  # node id -> first line of its error
 
@@ -197,13 +227,25 @@ def child_env(mode: str) -> dict[str, str]:
     return env
 
 
+# Parallel runs only (--parallel-threads): the children's address-space limit in bytes (None: no limit).
+MEMORY_LIMIT: Optional[int] = None
+
+
+def _limit_memory() -> None:  # runs in the child, between fork and exec
+    import resource
+
+    if MEMORY_LIMIT:
+        resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT, MEMORY_LIMIT))
+
+
 def _run(cmd: list[str], cwd: Path, env: dict[str, str], timeout: float) -> tuple[Optional[int], str, float, bool]:
     """Run ``cmd`` in its own process group; on timeout kill the whole group (inductor's compile workers
     included) so nothing of a hung file outlives it."""
     t0 = time.monotonic()
     with tempfile.TemporaryFile(mode="w+", encoding="utf-8", errors="replace") as out:
         proc = subprocess.Popen(cmd, cwd=str(cwd), env=env, stdout=out, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+                                stdin=subprocess.DEVNULL, start_new_session=True,
+                                preexec_fn=_limit_memory if MEMORY_LIMIT else None)
         timed_out = False
         try:
             rc: Optional[int] = proc.wait(timeout=timeout)
@@ -300,26 +342,107 @@ def parse_junit(path: Path, rel: str) -> tuple[dict[str, str], dict[str, str]]:
     return statuses, messages
 
 
+# --parallel-threads: every test body in this many threads at once (pytest-run-parallel); 1: plain pytest.
+PARALLEL_THREADS = 1
+
+
+def parallel_args(threads: int) -> list[str]:
+    """pytest-run-parallel's options: N threads, and THREAD_UNSAFE as its ``thread_unsafe_functions`` (an
+    ini line list, given with -o since no configuration file applies)."""
+    names = "\n".join(name for name, _ in THREAD_UNSAFE)
+    return ["--parallel-threads", str(threads), "-o", f"thread_unsafe_functions={names}", "-p", "ttc_parallel_plan"]
+
+
+def plan_env(env: dict[str, str], plan: Path, mode: str) -> dict[str, str]:
+    """The environment of a --parallel-threads child: the plan plugin importable, its file and mode."""
+    env = dict(env)
+    env["PYTHONPATH"] = str(PLUGINS) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["BENCH_PARALLEL_PLAN"] = str(plan)
+    env["BENCH_PARALLEL_PLAN_MODE"] = mode
+    return env
+
+
+def make_plan(python: str, f: "TestFile", tmp: Path, timeout: float) -> tuple[Path, str]:
+    """Which tests of ``f`` run in one thread, decided once with TTC_DISABLE=1 (see ttc_parallel_plan)."""
+    plan = tmp / f"{f.key.replace('/', '_').replace(':', '_')}.plan.json"
+    cmd = [python, "-m", "pytest", f.rel, "-c", os.devnull, "--rootdir", ".", "-p", "no:cacheprovider",
+           "--collect-only", "-q", *parallel_args(PARALLEL_THREADS)]
+    rc, text, _, _ = _run(cmd, f.root, plan_env(child_env("disabled"), plan, "write"), timeout)
+    if not plan.is_file():
+        return plan, f"collection pass failed (rc={rc}): {_tail(text)}"
+    return plan, ""
+
+
 def pytest_cmd(python: str, targets: list[str], xml: Path, test_timeout: float) -> list[str]:
     # -c os.devnull: no configuration file applies, wherever the test root lies (inside this repository,
     # pyproject.toml would otherwise add its pythonpath/addopts to upstream's tests); --rootdir keeps node
     # ids relative to the test root, as in baseline-disabled.txt.
+    if PARALLEL_THREADS > 1:  # -v: one line per test, so a file that dies still has the results before
+        return [python, "-X", "faulthandler", "-m", "pytest", *targets, "-c", os.devnull, "--rootdir", ".",
+                "-p", "no:cacheprovider", "--timeout", str(int(test_timeout)), "-v", "-rfE", f"--junitxml={xml}",
+                *parallel_args(PARALLEL_THREADS)]
     return [python, "-m", "pytest", *targets, "-c", os.devnull, "--rootdir", ".", "-p", "no:cacheprovider",
             "--timeout", str(int(test_timeout)), "-q", "-rfE", f"--junitxml={xml}"]
 
 
+_VERBOSE_LINE = re.compile(r"^(\S+::\S+) (?:PARALLEL )?(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b")
+_VERBOSE_STATUS = {"PASSED": "passed", "XPASS": "passed", "FAILED": "failed", "ERROR": "error",
+                   "SKIPPED": "skipped", "XFAIL": "skipped"}
+
+
+def verbose_statuses(text: str) -> dict[str, str]:
+    """Per-test results from pytest -v's lines: what a file that died reported before it died (no XML)."""
+    out: dict[str, str] = {}
+    for line in text.splitlines():
+        m = _VERBOSE_LINE.match(line)
+        if m:
+            status = _VERBOSE_STATUS[m.group(2)]
+            if m.group(1) not in out or _RANK[status] > _RANK[out[m.group(1)]]:
+                out[m.group(1)] = status
+    return out
+
+
+def crash_frames(text: str, n: int = 4) -> list[str]:
+    """faulthandler's dump: the fatal error line, then the crashing thread's first ``n`` frames (shortened
+    to ``file:line in function`` relative to site-packages or the test root)."""
+    lines = text.splitlines()
+    out: list[str] = []
+    for i, line in enumerate(lines):
+        if line.startswith("Fatal Python error"):
+            out.append(line.split(":", 1)[-1].strip())
+        if line.startswith("Current thread"):
+            for x in lines[i + 1:i + 1 + n]:
+                x = x.strip()
+                m = re.match(r'File "(.*)", line (\d+) in (.*)', x)
+                if m:
+                    path = m.group(1).split("site-packages/")[-1]
+                    x = f"{path}:{m.group(2)} {m.group(3)}"
+                out.append(x)
+            break
+    return out
+
+
 def run_file(python: str, f: TestFile, mode: str, tmp: Path, file_timeout: float, test_timeout: float,
-             targets: Optional[list[str]] = None, log_dir: Optional[Path] = None) -> Run:
+             targets: Optional[list[str]] = None, log_dir: Optional[Path] = None, plan: Optional[Path] = None) -> Run:
     xml = tmp / f"{f.key.replace('/', '_').replace(':', '_')}.{mode}.{time.monotonic_ns()}.xml"
     cmd = pytest_cmd(python, targets or [f.rel], xml, test_timeout)
-    rc, text, wall, timed_out = _run(cmd, f.root, child_env(mode), file_timeout)
+    env = child_env(mode) if plan is None else plan_env(child_env(mode), plan, "read")
+    rc, text, wall, timed_out = _run(cmd, f.root, env, file_timeout)
     if log_dir is not None:
         log_dir.mkdir(parents=True, exist_ok=True)
         suffix = ("." + re.sub(r"[^\w.-]+", "_", targets[0].split("::", 1)[-1])[:80]) if targets else ""
         (log_dir / f"{f.key.replace('/', '_').replace(':', '_')}.{mode}{suffix}.log").write_text(text, encoding="utf-8")
     run = Run(mode=mode, rc=rc, wall_s=wall, timed_out=timed_out)
+    if rc is not None and rc < 0:
+        try:
+            run.signal = signal.Signals(-rc).name
+        except ValueError:
+            run.signal = f"signal {-rc}"
+        run.frames = crash_frames(text)
     if timed_out:
         run.crashed = f"timed out after {file_timeout:.0f} s"
+    elif run.signal:
+        run.crashed = f"died of {run.signal}" + (f" ({'; '.join(run.frames)})" if run.frames else "")
     elif rc not in (0, 1) or not xml.is_file():
         run.crashed = f"pytest exit status {rc}: {_tail(text)}"
     if xml.is_file():
@@ -327,6 +450,8 @@ def run_file(python: str, f: TestFile, mode: str, tmp: Path, file_timeout: float
             run.statuses, run.messages = parse_junit(xml, f.rel)
         except ET.ParseError as e:
             run.crashed = run.crashed or f"unreadable JUnit XML: {e}"
+    elif PARALLEL_THREADS > 1:
+        run.statuses = verbose_statuses(text)
     return run
 
 
@@ -365,9 +490,15 @@ def run_all(files: list[TestFile], python: str, file_timeout: float, test_timeou
         for i, f in enumerate(files):
             order = MODES if i % 2 == 0 else MODES[::-1]
             runs: dict[str, Run] = {}
+            plan: Optional[Path] = None
+            if PARALLEL_THREADS > 1:
+                plan, problem = make_plan(python, f, tmp, min(file_timeout, 600))
+                if problem:
+                    log(f"{f.key}: {problem}; the plugin's own verdicts apply in each mode")
+                    plan = None
             for mode in order:
                 log(f"{f.key} [{mode}] ...")
-                runs[mode] = r = run_file(python, f, mode, tmp, file_timeout, test_timeout, log_dir=log_dir)
+                runs[mode] = r = run_file(python, f, mode, tmp, file_timeout, test_timeout, log_dir=log_dir, plan=plan)
                 log(f"{f.key} [{mode}] {r.count('passed')} passed, {r.count(*FAILED)} failed, "
                     f"{r.count('skipped')} skipped, {r.wall_s:.1f} s{' — ' + r.crashed if r.crashed else ''}")
             res = compare(f, runs, baselines[f.root])
@@ -375,7 +506,8 @@ def run_all(files: list[TestFile], python: str, file_timeout: float, test_timeou
             # state left by earlier tests of its file (a leak across tests), not by itself.
             for nid in [nid for nid in res.active_only if "::" in nid][:rerun]:
                 for mode in order:
-                    alone = run_file(python, f, mode, tmp, file_timeout, test_timeout, targets=[nid], log_dir=log_dir)
+                    alone = run_file(python, f, mode, tmp, file_timeout, test_timeout, targets=[nid], log_dir=log_dir,
+                                     plan=plan)
                     res.rerun.setdefault(nid, {})[mode] = alone.statuses.get(nid) or (alone.crashed and "crashed") or "not run"
             results.append(res)
     return results, probes
@@ -506,13 +638,53 @@ def render_md(results: list[FileResult], probes: dict[str, dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _crash_cell(run: Run) -> str:
+    if run.signal:
+        return run.signal
+    if run.timed_out:
+        return "timeout"
+    return "died" if run.crashed else "–"
+
+
+def render_parallel_md(results: list[FileResult], probes: dict[str, dict], threads: int, command: str) -> str:
+    """The table of a --parallel-threads run: per file, passing and crashes in both modes, what the package
+    fixed (failed with TTC_DISABLE=1, passed active) and what only fails active."""
+    act = probes.get("active", {})
+    lines = [
+        f"{threads} threads at once; torch {act.get('torch', '?')}; `{command}`.",
+        "",
+        "| file | passed `TTC_DISABLE=1` | passed active | failed `TTC_DISABLE=1` | failed active "
+        "| crash `TTC_DISABLE=1` | crash active | fixed by the package | active-only |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        a, d = r.runs["active"], r.runs["disabled"]
+        fixed = [nid for nid in r.disabled_only if "::" in nid and a.statuses.get(nid) == "passed"]
+        lines.append(f"| `{r.file}` | {d.count('passed')} | {a.count('passed')} | {d.count(*FAILED)} | "
+                     f"{a.count(*FAILED)} | {_crash_cell(d)} | {_crash_cell(a)} | {len(fixed)} | {len(r.active_only)} |")
+    lines.append("")
+    crashes = [(r.file, m, r.runs[m]) for r in results for m in MODES if r.runs[m].crashed]
+    if crashes:
+        lines.append("Crashes (faulthandler, crashing thread's first frames):")
+        lines.append("")
+        lines.extend(f"- `{f}` {m}: {run.crashed}" for f, m, run in crashes)
+        lines.append("")
+    fails = _failure_lines(results, md=True)
+    lines.append(f"Active-only failures ({len(fails)}):" if fails else "Active-only failures: none.")
+    if fails:
+        lines.append("")
+        lines.extend(fails)
+    return "\n".join(lines) + "\n"
+
+
 MD_BEGIN = "<!-- upstream-table:begin -->"
 MD_END = "<!-- upstream-table:end -->"
 
 
-def write_md(path: Path, table: str) -> None:
+def write_md(path: Path, table: str, begin: str = MD_BEGIN, end: str = MD_END) -> None:
     """Replace the part between the markers when the file has them (docs/upstream-tests.md does), else
     write the table alone."""
+    MD_BEGIN, MD_END = begin, end  # noqa: N806
     text = path.read_text(encoding="utf-8") if path.is_file() else ""
     if MD_BEGIN in text and MD_END in text:
         head, rest = text.split(MD_BEGIN, 1)
@@ -549,7 +721,7 @@ def _on_sigterm(signum: int, frame: object) -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    global PYCACHE_PREFIX
+    global PYCACHE_PREFIX, PARALLEL_THREADS, MEMORY_LIMIT
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tests-dir", action="append", type=Path, default=None,
@@ -573,7 +745,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--pycache-prefix", default=PYCACHE_PREFIX,
                     help="children's PYTHONPYCACHEPREFIX (default %(default)s); 'none': caches next to the sources")
     ap.add_argument("--list", action="store_true", help="list the selected files and exit")
+    ap.add_argument("--parallel-threads", type=int, default=1, metavar="N",
+                    help="run every test body in N threads at once (pytest-run-parallel; THREAD_UNSAFE in one)")
+    ap.add_argument("--memory-limit-gb", type=float, default=12.0,
+                    help="with --parallel-threads: each child's address-space limit (default 12; 0: none)")
     args = ap.parse_args(argv)
+    PARALLEL_THREADS = max(1, args.parallel_threads)
+    if PARALLEL_THREADS > 1 and args.memory_limit_gb > 0:
+        MEMORY_LIMIT = int(args.memory_limit_gb * 2**30)
     PYCACHE_PREFIX = None if args.pycache_prefix.lower() == "none" else args.pycache_prefix
     signal.signal(signal.SIGTERM, _on_sigterm)
 
@@ -595,7 +774,16 @@ def main(argv: Optional[list[str]] = None) -> int:
         print("interrupted; the running test file was stopped", file=sys.stderr)
         return 130
     print(render_text(results, probes))
-    if args.md:
+    if PARALLEL_THREADS > 1:
+        for r in results:
+            for mode in MODES:
+                if r.runs[mode].crashed:
+                    print(f"{r.file} [{mode}]: {r.runs[mode].crashed}")
+    if args.md and PARALLEL_THREADS > 1:
+        command = "python bench/upstream_tests.py " + " ".join(argv if argv is not None else sys.argv[1:])
+        write_md(args.md, render_parallel_md(results, probes, PARALLEL_THREADS, command),
+                 f"<!-- upstream-parallel-{PARALLEL_THREADS}:begin -->", f"<!-- upstream-parallel-{PARALLEL_THREADS}:end -->")
+    elif args.md:
         write_md(args.md, render_md(results, probes))
     if args.json:
         args.json.write_text(json.dumps(to_json(results, probes), indent=1), encoding="utf-8")
