@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# CI leg for free-threaded CPython (issue 30): the patch suites, doctor --selftest and the short soak on
+# CPython 3.13t with the GIL off (PYTHON_GIL=0), torch 2.12.0 (the first release with cp313t wheels on PyPI
+# that the package supports there; a CUDA build, run on the CPU like the 2.11 leg).
+#
+#   .ci/freethreaded.sh                 build (or reuse) the interpreter, fresh venv, run everything
+#   env: TTC_FT_PYTHON   a free-threaded interpreter to use instead of building one
+#        TTC_FT_CACHE    where the interpreter is built and kept (default $HOME/.cache/ttc-freethreaded)
+#        TTC_FT_TORCH    torch version (default 2.12.0)
+#
+# The interpreter is built once (~8 min on 2 cores) and reused from the cache afterwards; the venv is made
+# from scratch every run, like the other legs, and removed at the end. Timings: docs/performance.md.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+start=$(date +%s)
+stamp() { echo "== $1 ($(( $(date +%s) - start )) s, $(df -Ph . | awk 'NR==2 {print $4}') free)"; }
+CACHE=${TTC_FT_CACHE:-$HOME/.cache/ttc-freethreaded}
+TORCH=${TTC_FT_TORCH:-2.12.0}
+VENV=.venv-ft
+
+# 1. The interpreter (cached between runs).
+stamp "free-threaded interpreter"
+py=${TTC_FT_PYTHON:-$(bash .ci/build-freethreaded-python.sh "$CACHE/py313t" | tail -1)}
+"$py" -c 'import sys, sysconfig; assert sysconfig.get_config_var("Py_GIL_DISABLED") == 1, "not free-threaded"; print(sys.version)'
+
+# 2. A fresh venv: torch (cp313t wheel) and the package. numpy below 2.4: the newer releases publish no
+#    cp313t wheels (pip would build one from source for ~10 min). The public index, as for the other legs.
+stamp "venv torch $TORCH (cp313t)"
+rm -rf "$VENV"
+"$py" -m venv "$VENV"
+PIP_CONFIG_FILE=/dev/null "$VENV/bin/pip" install -q --no-cache-dir --only-binary=:all: "torch==$TORCH" 'numpy<2.4'
+PIP_CONFIG_FILE=/dev/null "$VENV/bin/pip" install -q -e '.[test]'
+
+# 3. Everything below runs with the GIL off. `import torch` keeps it off; inductor imports triton, whose
+#    extension does not declare free-threading support: without PYTHON_GIL=0 that import turns the GIL on.
+export PYTHON_GIL=0
+"$VENV/bin/python" -c 'import sys, torch; f = torch.compile(lambda x: x + 1, backend="aot_eager"); f(torch.ones(2)); assert not sys._is_gil_enabled(), "GIL is on"; print("GIL off after import torch and a compile")'
+
+stamp "pytest, patch suites (GIL off)"
+PATCH_SUITE=(tests/test_hazards.py tests/test_registry.py tests/test_startup.py tests/test_env.py
+             tests/test_first_compile.py tests/test_lazy_backward.py tests/test_do_no_harm.py
+             tests/test_same_thread.py tests/test_cudagraph_threads.py tests/test_freethreaded.py)
+"$VENV/bin/python" -m pytest -q -p no:cacheprovider "${PATCH_SUITE[@]}"
+
+stamp "doctor --selftest (GIL off)"
+"$VENV/bin/python" -m torch_threadsafe_compile doctor --selftest
+
+stamp "short soak (GIL off)"
+"$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/soak/test_soak.py
+
+rm -rf "$VENV"
+stamp "done"
