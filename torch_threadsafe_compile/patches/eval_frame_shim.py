@@ -13,8 +13,9 @@ the C stack overflows (gdb: ~19,780 alternating ``custom_eval_frame`` / ``dynamo
 frames, then ``SIGSEGV``). Lost updates of the count can also remove the shim while other threads are inside
 compiled calls (their frames then run uncompiled). Measured on CPython 3.13.15t, torch 2.12.0, ``PYTHON_GIL=0``,
 5 threads making warm calls of one compiled function for 8 s (``python -m ttc_testing.freethreaded
-warm_calls threads=5``): the process died in 3 of 3 runs unpatched and in 0 of 3 with this patch; with and
-without the rest of the package alike (it is dynamo's own wrapper that makes the calls).
+warm_calls threads=5 seconds=8``, and the same loop without a start barrier): the process died (``SIGSEGV``,
+or hung) in 5 of 16 runs unpatched and in 0 of 8 with this patch; with and without the rest of the package
+alike (it is dynamo's own wrapper that makes the calls).
 
 Fix: the names under which dynamo calls the C function (``set_eval_frame`` and ``_maybe_set_eval_frame`` of
 ``torch._dynamo.eval_frame``, ``set_eval_frame`` of ``torch._dynamo.decorators`` and of the C module itself)
