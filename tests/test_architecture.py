@@ -91,6 +91,47 @@ def test_the_leaf_and_the_floors() -> None:
             assert not foreign, f"{name} imports other patches: {foreign}"
 
 
+def _allowed_table() -> list[tuple[list[str], set[str]]]:
+    """(module patterns, allowed targets) rows of docs/architecture.md's "Allowed imports" table."""
+    doc = (PKG.parent / "docs" / "architecture.md").read_text()
+    body = doc.split("<!-- allowed-imports -->", 1)[1].split("<!-- /allowed-imports -->", 1)[0]
+    rows = []
+    for line in body.strip().splitlines()[2:]:
+        left, right = (cell.strip() for cell in line.strip().strip("|").split("|"))
+        names = lambda cell: [c.strip().strip("`") for c in cell.split(",") if c.strip() not in ("", "—")]  # noqa: E731
+        rows.append((names(left), set(names(right))))
+    return rows
+
+
+def _row_for(name: str, rows: list[tuple[list[str], set[str]]]) -> set[str] | None:
+    short = name[len(ROOT) + 1 :] if name != ROOT else "__init__"
+    for patterns, allowed in rows:
+        for pat in patterns:
+            if short == pat or (pat.endswith(".*") and short.startswith(pat[:-1])):
+                return allowed
+    return None
+
+
+def test_imports_follow_the_documented_table() -> None:
+    """Every import edge between the package's modules is allowed by docs/architecture.md's table, and
+    every module has a row (a new module must say where it stands)."""
+    mods = _modules()
+    rows = _allowed_table()
+    assert len(rows) > 5, "the table was not found: the check proves nothing"
+    bad = []
+    for name, path in mods.items():
+        allowed = _row_for(name, rows)
+        if allowed is None:
+            bad.append(f"{name}: no row in docs/architecture.md's allowed-imports table")
+            continue
+        for dep in _edges(name, path, set(mods)):
+            short = dep[len(ROOT) + 1 :] if dep != ROOT else "__init__"
+            own = name.startswith(f"{ROOT}.patches.") and dep.startswith(".".join(name.split(".")[:3]))
+            if short not in allowed and not (own and "own" in allowed):
+                bad.append(f"{name} imports {dep}")
+    assert not bad, bad
+
+
 def test_no_long_functions() -> None:
     long = []
     paths = [*PKG.rglob("*.py"), *EXAMPLES.rglob("*.py")]
