@@ -38,6 +38,13 @@ def test_env_knows_exactly_the_patch_ids() -> None:
     assert _env.KNOWN_PATCHES == set(registry.PATCH_MODULES)
 
 
+def test_declared_contracts_name_real_patches() -> None:
+    ids = set(registry.PATCH_MODULES)
+    for spec in _specs():
+        assert set(spec.after) | set(spec.uses) <= ids, spec.id
+        assert spec.id not in spec.uses
+
+
 def test_order_respects_dependencies() -> None:
     order = list(registry.PATCH_MODULES)
     for spec in _specs():

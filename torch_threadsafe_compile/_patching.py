@@ -154,6 +154,18 @@ class Changes:
         if not linger:
             self._undo.append(lambda: namespace.pop(name, None))
 
+    def add_to(self, shared: list[Any], item: Any) -> None:
+        """Put ``item`` into a list that other patches read (``_torch.call_plumbing``); revert takes it out."""
+        shared.append(item)
+
+        def undo() -> None:
+            for i in range(len(shared) - 1, -1, -1):
+                if shared[i] is item:  # identity: code objects compare by value
+                    del shared[i]
+                    break
+
+        self._undo.append(undo)
+
     def on_revert(self, fn: Callable[[], None]) -> None:
         self._undo.append(fn)
 

@@ -60,6 +60,9 @@ class PatchSpec:
     modules: tuple[str, ...]  # torch modules that must have been imported before it can apply
     fixed_in: str | None = None  # first torch release where upstream fixed the hazard
     after: tuple[str, ...] = ()  # patches that must be settled (applied or skipped) first
+    # Patches whose changes it picks up at call time when they are applied, in any order (no waiting):
+    # the contracts between patches that no import shows (tests/test_registry.py checks they exist).
+    uses: tuple[str, ...] = ()
 
 
 class Patch(Protocol):

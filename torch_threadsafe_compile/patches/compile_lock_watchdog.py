@@ -1,6 +1,6 @@
 """H4 (detector) — make waits on dynamo's ``compile_lock`` observable.
 
-Wraps ``torch._dynamo.convert_frame.compile_lock`` in an :class:`~torch_threadsafe_compile.watchdog.InstrumentedRLock`
+Wraps ``torch._dynamo.convert_frame.compile_lock`` in an :class:`~torch_threadsafe_compile._compile_lock.InstrumentedRLock`
 that records waiting threads (the underlying RLock is kept, so code that captured it still excludes
 correctly). With ``TTC_WATCHDOG=<seconds>`` or ``torch_threadsafe_compile.watchdog.start(s)`` a watchdog
 dumps every stack when a wait exceeds the bound. This is the only defence on versions where the lock-order
@@ -17,6 +17,7 @@ import threading
 from typing import Any
 
 from torch_threadsafe_compile import _env, watchdog
+from torch_threadsafe_compile._compile_lock import InstrumentedRLock
 from torch_threadsafe_compile._patching import Changes
 from torch_threadsafe_compile._torch import loaded
 from torch_threadsafe_compile.registry import PatchSpec
@@ -41,7 +42,7 @@ def check() -> str | None:
     lock = getattr(_cf(), "compile_lock", None)
     if lock is None:
         return "torch._dynamo.convert_frame.compile_lock not found"
-    if not isinstance(lock, (_RLOCK_TYPE, watchdog.InstrumentedRLock)):
+    if not isinstance(lock, (_RLOCK_TYPE, InstrumentedRLock)):
         return f"compile_lock is a {type(lock).__name__}, expected an RLock"
     return None
 
@@ -49,9 +50,9 @@ def check() -> str | None:
 def apply(changes: Changes) -> dict[str, Any]:
     cf = _cf()
     inner = cf.compile_lock
-    if isinstance(inner, watchdog.InstrumentedRLock):
+    if isinstance(inner, InstrumentedRLock):
         inner = inner.inner
-    lock = watchdog.InstrumentedRLock(inner)
+    lock = InstrumentedRLock(inner)
     changes.setattr(cf, "compile_lock", lock)
     watchdog.watch(lock)
     changes.on_revert(watchdog.unwatch)

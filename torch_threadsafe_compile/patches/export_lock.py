@@ -32,6 +32,7 @@ SPEC = PatchSpec(
     upstream="pytorch/pytorch#105943 (PT2 is not thread safe); export patches op.py_kernels process-wide",
     torch_versions=">=2.4",
     modules=("torch.export._trace", "torch._dynamo.convert_frame"),
+    uses=("compile_lock_watchdog",),  # priority for the overrides (_torch.compile_lock_first), when applied
 )
 
 # (module, context manager) pairs that change process-global state for their duration.

@@ -87,8 +87,14 @@ def verify() -> None:
     for name in _present(mod):
         if getattr(mod.__dict__[name], "__wrapped__", None) is None:
             raise AssertionError(f"torch.export._trace.{name} is not wrapped")
+    def other_thread_takes_it() -> bool:
+        if not _lock.acquire(False):
+            return False
+        _lock.release()
+        return True
+
     with _lock:  # held here: another thread cannot take it, this one can again (an export calls the other)
-        if run_in_thread(lambda: _lock.acquire(False) and (_lock.release() or True)):
+        if run_in_thread(other_thread_takes_it):
             raise AssertionError("another thread took the export lock while this one held it")
         with _lock:
             pass

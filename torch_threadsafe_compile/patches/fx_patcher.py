@@ -20,7 +20,7 @@ After this patch:
   restarts would see ``Module.__call__`` change (``SpeculationLogDivergence``). A dispatcher that dynamo
   could see through was tried: dynamo reads class attributes raw while it traces, and compiles beside
   traces then broke apart (measured in the soak). The trace takes the lock ahead of compiles that do not
-  hold it yet (``watchdog.InstrumentedRLock.priority``), so a stream of compiles delays a trace by at most
+  hold it yet (``_compile_lock.InstrumentedRLock.priority``), so a stream of compiles delays a trace by at most
   the compile in progress. Inside a compile the lock is already held (it is re-entrant), and an FX trace
   runs on proxies, never on the autograd engine, so this adds no lock-order inversion.
 
@@ -48,6 +48,7 @@ SPEC = PatchSpec(
     torch_versions=">=2.4",
     modules=("torch.fx._symbolic_trace",),
     after=("fx_tracing_flag",),
+    uses=("compile_lock_watchdog",),  # priority for its traces (_torch.compile_lock_first), when applied
 )
 
 _MISSING = object()
@@ -212,8 +213,7 @@ def apply(changes: Changes) -> dict[str, Any]:
     if mod.__dict__["CURRENT_PATCHER"] is not None:
         raise TargetBusy("a symbolic trace is in progress")
     thread_local_global(changes, mod, "CURRENT_PATCHER", users)
-    call_plumbing.append(DISPATCH_CODE)
-    changes.on_revert(lambda: call_plumbing.remove(DISPATCH_CODE))
+    changes.add_to(call_plumbing, DISPATCH_CODE)
 
     original_new_patcher = mod.__dict__["_new_patcher"]
 

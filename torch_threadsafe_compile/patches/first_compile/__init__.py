@@ -51,6 +51,7 @@ SPEC = PatchSpec(
     torch_versions=">=2.4",
     modules=("torch._dynamo", "torch._dynamo.eval_frame", "torch._dynamo.convert_frame"),
     after=("compile_lock_watchdog",),
+    uses=("fx_patcher",),  # its dispatcher is call plumbing between compile_wrapper and forward (_torch)
 )
 
 RESET_FUNCTIONS = ("reset", "reset_code_caches")
