@@ -24,7 +24,7 @@ from typing import Any, Mapping, cast
 
 from torch_threadsafe_compile import _env, _forksafe, _state, _versions
 from torch_threadsafe_compile._patching import Changes, SourceUnavailable, TargetBusy, TargetMismatch
-from torch_threadsafe_compile.registry import PATCH_MODULES, Patch, PatchSpec
+from torch_threadsafe_compile.registry import SPECS, Patch, PatchSpec
 
 log = logging.getLogger("torch_threadsafe_compile")
 
@@ -63,7 +63,6 @@ BUSY_RETRY_S = 60.0
 @dataclass
 class PatchState:
     spec: PatchSpec
-    impl: Patch
     state: State = State.PENDING
     skip: Skip | None = None
     reason: str = ""
@@ -72,6 +71,12 @@ class PatchState:
 
     def settle(self, state: State, reason: str = "", skip: Skip | None = None) -> None:
         self.state, self.reason, self.skip = state, reason, skip
+
+    @property
+    def impl(self) -> Patch:
+        """The patch module, imported on first use: only once its torch modules are there and it is about
+        to be checked (the registry's spec table decides everything before that)."""
+        return cast(Patch, importlib.import_module(f"torch_threadsafe_compile.patches.{self.spec.id}"))
 
 
 _lock = threading.RLock()
@@ -115,17 +120,13 @@ def _configure_logging(level: str | None) -> None:
 
 
 def states() -> dict[str, PatchState]:
-    """Every patch, in order (imports the patch modules on first use: only ever after torch was imported)."""
+    """Every patch, in order, from the registry's spec table (no patch module is imported here)."""
     global _states
     with _lock:
         if _states is None:
             settings = _env.current()
             _configure_logging(settings.log_level)
-            loaded = {}
-            for name in PATCH_MODULES:
-                impl = cast(Patch, importlib.import_module(f"torch_threadsafe_compile.patches.{name}"))
-                loaded[impl.SPEC.id] = PatchState(spec=impl.SPEC, impl=impl)
-            _states = loaded
+            _states = {pid: PatchState(spec=spec) for pid, spec in SPECS.items()}
         return _states
 
 

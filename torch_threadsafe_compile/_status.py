@@ -45,8 +45,8 @@ def _row(ps: _lifecycle.PatchState, disabled: bool) -> dict[str, Any]:
         replaced = ps.changes.intact()
         if replaced:
             row["replaced_by_others"] = replaced
-    report = getattr(ps.impl, "report", None)
-    if ps.state is State.APPLIED and report is not None:
+    report = getattr(ps.impl, "report", None) if ps.state is State.APPLIED else None  # applied: imported already
+    if report is not None:
         try:
             row["stats"] = report()
         except Exception as e:  # a report must not break status()

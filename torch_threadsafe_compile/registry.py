@@ -22,30 +22,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Protocol
 if TYPE_CHECKING:
     from torch_threadsafe_compile._patching import Changes
 
-__all__ = ["PatchSpec", "Patch", "PATCH_MODULES"]
-
-# Explicit order (gevent.monkey style): a patch may only rely on the ones before it. The tracing flags come
-# before the compile gate, whose verification reads them; the compile-lock instrumentation comes before
-# everything that takes the lock.
-PATCH_MODULES: tuple[str, ...] = (
-    "fx_tracing_flag",  # H1
-    "fx_patcher",  # H7
-    "compile_session_flag",  # H2
-    "export_flag",  # H7
-    "config_overrides",  # H6
-    "dynamic_flags",  # H5
-    "compile_import_lock",  # H7
-    "compile_lock_watchdog",  # H4 (detector)
-    "export_lock",  # H7
-    "export_serial",  # H7
-    "lazy_backward",  # H4
-    "cuda_device_guard",  # H3 (crash)
-    "guard_invalidation",  # H8 (crash)
-    "code_reset",  # H9 (crash)
-    "first_compile",  # H3
-    "cudagraph_trees_per_thread",  # H7
-    "cudagraph_rng",  # H7
-)
+__all__ = ["PatchSpec", "Patch", "SPECS", "PATCH_MODULES"]
 
 
 @dataclass(frozen=True)
@@ -75,6 +52,176 @@ class Patch(Protocol):
     def apply(self, changes: Changes) -> Mapping[str, Any] | None: ...
 
     def verify(self) -> None: ...
+
+
+# Explicit order (gevent.monkey style): a patch may only rely on the ones before it. The tracing flags come
+# before the compile gate, whose verification reads them; the compile-lock instrumentation comes before
+# everything that takes the lock.
+# Every spec, in that order: the table is data, read without importing any patch module (the registry
+# imports a patch only when its torch modules are there and it is about to be checked). Each patch
+# module binds its own entry: ``SPEC = SPECS["<id>"]``.
+SPECS: dict[str, PatchSpec] = {
+    spec.id: spec
+    for spec in (
+        PatchSpec(
+            id="fx_tracing_flag",
+            hazard="H1",
+            summary="FX tracing flag per thread: no false 'symbolically trace a dynamo-optimized function' errors",
+            upstream="pytorch/pytorch#118260 (dynamo is not thread safe); the flag became thread-local (_is_fx_tracing_tls) in 2.14",
+            torch_versions=">=2.4,<2.14",
+            fixed_in="2.14",
+            modules=("torch.fx._symbolic_trace",),
+        ),
+        PatchSpec(
+            id="fx_patcher",
+            hazard="H7",
+            summary="fx.symbolic_trace's function patches and CURRENT_PATCHER apply to the tracing thread only",
+            upstream="pytorch/pytorch#187589 (FX patcher CURRENT_PATCHER is process-global)",
+            torch_versions=">=2.4",
+            modules=("torch.fx._symbolic_trace",),
+            after=("fx_tracing_flag",),
+            uses=("compile_lock_watchdog",),  # priority for its traces (_torch.compile_lock_first), when applied
+        ),
+        PatchSpec(
+            id="compile_session_flag",
+            hazard="H2",
+            summary="torch.compiler.is_compiling() is True only in the thread that compiles",
+            upstream="pytorch/pytorch#184614 (held for the whole compile session, fixes #184547); flag is process-global",
+            torch_versions=">=2.13",
+            modules=("torch.compiler",),
+        ),
+        PatchSpec(
+            id="export_flag",
+            hazard="H7",
+            summary="torch.compiler.is_exporting() is True only in the thread that exports",
+            upstream="pytorch/pytorch#105943 (PT2 is not thread safe); _is_exporting_flag is process-global",
+            torch_versions=">=2.7",  # the flag exists from 2.7 (docs/compat.md: it leaks on 2.7 and 2.8 too)
+            modules=("torch.compiler",),
+            after=("compile_session_flag",),
+        ),
+        PatchSpec(
+            id="config_overrides",
+            hazard="H6",
+            summary="config assigned in the main thread is the default of every thread; other assignments and config.patch stay per thread",
+            upstream="pytorch/pytorch#118260 (config patching across threads); ContextVar overrides since 2.12",
+            torch_versions=">=2.12",
+            modules=("torch.utils._config_module",),
+        ),
+        PatchSpec(
+            id="dynamic_flags",
+            hazard="H5",
+            summary="torch.compile(dynamic=...) shape flags apply to the calling thread only",
+            upstream="pytorch/pytorch#118260 (config patching via the dynamic kwarg is not thread safe); per-thread from 2.12",
+            torch_versions=">=2.4,<2.12",
+            modules=("torch.utils._config_module", "torch._dynamo"),  # verify reads dynamo's config
+            fixed_in="2.12",
+        ),
+        PatchSpec(
+            id="compile_import_lock",
+            hazard="H7",
+            summary="the first torch.compile() calls import dynamo one thread at a time (no import _DeadlockError)",
+            upstream="Python's per-module import locks and torch._dynamo's import cycles; torch.compile imports dynamo lazily",
+            torch_versions=">=2.4",
+            modules=("torch",),
+        ),
+        PatchSpec(
+            id="compile_lock_watchdog",
+            hazard="H4",
+            summary="record waits on dynamo's compile_lock; TTC_WATCHDOG=<s> dumps stacks when one exceeds the bound",
+            upstream="compile_fx_backward takes compile_lock (torch 2.6+); see lazy_backward",
+            torch_versions=">=2.4",
+            modules=("torch._dynamo.convert_frame",),
+        ),
+        PatchSpec(
+            id="export_lock",
+            hazard="H7",
+            summary="torch.export's global kernel overrides hold dynamo's compile_lock, so compiles never see them",
+            upstream="pytorch/pytorch#105943 (PT2 is not thread safe); export patches op.py_kernels process-wide",
+            torch_versions=">=2.4",
+            modules=("torch.export._trace", "torch._dynamo.convert_frame"),
+            uses=("compile_lock_watchdog",),  # priority for the overrides (_torch.compile_lock_first), when applied
+        ),
+        PatchSpec(
+            id="export_serial",
+            hazard="H7",
+            summary="torch.export calls from several threads take turns (per-call state in torch.export._trace globals)",
+            upstream="pytorch/pytorch#105943 (PT2 is not thread safe); _EXPORT_MODULE_HIERARCHY/_EXPORT_FLAGS are module globals",
+            torch_versions=">=2.4",
+            modules=("torch.export._trace",),
+        ),
+        PatchSpec(
+            id="lazy_backward",
+            hazard="H4",
+            summary=("compile the backward with the forward for graphs on an accelerator, so the autograd engine "
+                     "never waits for compile_lock"),
+            upstream=("lazy backward since pytorch/pytorch#83367; the backward compiler takes compile_lock (2.6+); "
+                      "switch force_non_lazy_backward_lowering (2.9+)"),
+            torch_versions=">=2.6",
+            modules=("torch._functorch.aot_autograd",),
+        ),
+        PatchSpec(
+            id="cuda_device_guard",
+            hazard="H3",
+            summary=("torch._C._ensureCUDADeviceGuardSet runs once per process (the first compile), not while other "
+                     "threads run compiled code"),
+            upstream=("pytorch/pytorch#118260 (reproducer segfaults on CUDA builds without a GPU); "
+                      "FakeTensorMode.__enter__ calls _ensureCUDADeviceGuardSet"),
+            torch_versions=">=2.10",
+            modules=("torch._subclasses.fake_tensor",),
+        ),
+        PatchSpec(
+            id="guard_invalidation",
+            hazard="H8",
+            summary="guard trees released by cache-entry invalidation (weakref finalizers) or diff-guard rebuilds are "
+                "kept until no thread that could be evaluating them is left",
+            upstream=("pytorch/pytorch#195355 (ExtraState lock, queued invalidations; after 2.15); "
+                "CheckFunctionManager.invalidate frees the RootGuardManager that lookup() may be evaluating"),
+            torch_versions=">=2.6",
+            modules=("torch._dynamo",),  # its import completes after guards.py (no new post-import hook)
+        ),
+        PatchSpec(
+            id="code_reset",
+            hazard="H9",
+            summary="remove_from_cache / reset_code (torch._dynamo.export) invalidates a code object's entries instead "
+                "of freeing them while other threads run",
+            upstream=("pytorch/pytorch#195355 (ExtraState lock; after 2.15); reset_code frees the ExtraState that "
+                "other threads' lookup() and compiles hold"),
+            torch_versions=">=2.6",
+            modules=("torch._dynamo",),  # its import completes after eval_frame, convert_frame and guards
+        ),
+        PatchSpec(
+            id="first_compile",
+            hazard="H3",
+            summary="threads that need the same graph wait for one compile instead of compiling it again",
+            upstream="pytorch/pytorch#118260, #136833 (thread safety of torch.compile); compile_lock only queues compiles",
+            torch_versions=">=2.4",
+            modules=("torch._dynamo", "torch._dynamo.eval_frame", "torch._dynamo.convert_frame"),
+            after=("compile_lock_watchdog",),
+            uses=("fx_patcher",),  # its dispatcher is call plumbing between compile_wrapper and forward (_torch)
+        ),
+        PatchSpec(
+            id="cudagraph_trees_per_thread",
+            hazard="H7",
+            summary="CUDA graph trees per thread: reduce-overhead functions (and their backward) work from any thread",
+            upstream="pytorch/pytorch#123177 (torch.compile+cudagraphs asserts in multithreaded context); "
+                "per-thread TLS upstream from 2.13 (pytorch#184357)",
+            torch_versions=">=2.4,<2.13",
+            fixed_in="2.13",
+            modules=("torch._inductor.cudagraph_trees", "torch._dynamo.eval_frame"),
+        ),
+        PatchSpec(
+            id="cudagraph_rng",
+            hazard="H7",
+            summary="CUDA graph recordings neither break nor repeat other threads' random numbers",
+            upstream="pytorch/pytorch#123177 layout with random inputs; generator capture state per device up to 2.11 "
+                "(per capture from 2.12, pytorch#176752); preserve_rng_state around tree recordings (all versions)",
+            torch_versions=">=2.4",
+            modules=("torch._inductor.cudagraph_trees",),
+            after=("cudagraph_trees_per_thread",),
+        ),
+    )
+}
+PATCH_MODULES: tuple[str, ...] = tuple(SPECS)
 
 
 def watched_modules(specs: list[PatchSpec]) -> frozenset[str]:

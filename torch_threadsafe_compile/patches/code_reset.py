@@ -34,18 +34,9 @@ from typing import Any
 from torch_threadsafe_compile import _graveyard
 from torch_threadsafe_compile._patching import Changes
 from torch_threadsafe_compile._torch import cache_entry_lister, loaded
-from torch_threadsafe_compile.registry import PatchSpec
+from torch_threadsafe_compile.registry import SPECS
 
-SPEC = PatchSpec(
-    id="code_reset",
-    hazard="H9",
-    summary="remove_from_cache / reset_code (torch._dynamo.export) invalidates a code object's entries instead "
-            "of freeing them while other threads run",
-    upstream=("pytorch/pytorch#195355 (ExtraState lock; after 2.15); reset_code frees the ExtraState that "
-              "other threads' lookup() and compiles hold"),
-    torch_versions=">=2.6",
-    modules=("torch._dynamo",),  # its import completes after eval_frame, convert_frame and guards
-)
+SPEC = SPECS["code_reset"]
 
 _stats = {"soft_resets": 0, "entries_invalidated": 0}
 _marker: list[type] = []  # the DeletedGuardManagerWrapper subclass that marks our invalidations

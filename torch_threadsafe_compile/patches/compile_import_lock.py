@@ -28,16 +28,9 @@ from typing import Any, Callable
 from torch_threadsafe_compile import _forksafe
 from torch_threadsafe_compile._patching import Changes
 from torch_threadsafe_compile._torch import loaded, present_callables
-from torch_threadsafe_compile.registry import PatchSpec
+from torch_threadsafe_compile.registry import SPECS
 
-SPEC = PatchSpec(
-    id="compile_import_lock",
-    hazard="H7",
-    summary="the first torch.compile() calls import dynamo one thread at a time (no import _DeadlockError)",
-    upstream="Python's per-module import locks and torch._dynamo's import cycles; torch.compile imports dynamo lazily",
-    torch_versions=">=2.4",
-    modules=("torch",),
-)
+SPEC = SPECS["compile_import_lock"]
 
 _lock = threading.RLock()  # re-entrant: torch.compile may call itself (its decorator form)
 

@@ -20,16 +20,9 @@ from torch_threadsafe_compile import _env, watchdog
 from torch_threadsafe_compile._compile_lock import InstrumentedRLock
 from torch_threadsafe_compile._patching import Changes
 from torch_threadsafe_compile._torch import loaded
-from torch_threadsafe_compile.registry import PatchSpec
+from torch_threadsafe_compile.registry import SPECS
 
-SPEC = PatchSpec(
-    id="compile_lock_watchdog",
-    hazard="H4",
-    summary="record waits on dynamo's compile_lock; TTC_WATCHDOG=<s> dumps stacks when one exceeds the bound",
-    upstream="compile_fx_backward takes compile_lock (torch 2.6+); see lazy_backward",
-    torch_versions=">=2.4",
-    modules=("torch._dynamo.convert_frame",),
-)
+SPEC = SPECS["compile_lock_watchdog"]
 
 _RLOCK_TYPE = type(threading.RLock())
 

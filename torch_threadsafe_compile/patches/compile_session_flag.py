@@ -19,16 +19,9 @@ from typing import Any
 
 from torch_threadsafe_compile._patching import Changes, run_in_thread, thread_local_global
 from torch_threadsafe_compile._torch import loaded
-from torch_threadsafe_compile.registry import PatchSpec
+from torch_threadsafe_compile.registry import SPECS
 
-SPEC = PatchSpec(
-    id="compile_session_flag",
-    hazard="H2",
-    summary="torch.compiler.is_compiling() is True only in the thread that compiles",
-    upstream="pytorch/pytorch#184614 (held for the whole compile session, fixes #184547); flag is process-global",
-    torch_versions=">=2.13",
-    modules=("torch.compiler",),
-)
+SPEC = SPECS["compile_session_flag"]
 
 FLAG = "_is_compiling_flag"
 

@@ -42,16 +42,9 @@ from typing import Any
 
 from torch_threadsafe_compile._patching import Changes, run_in_thread
 from torch_threadsafe_compile._torch import CONFIG_MODULE, config_entries, config_unset, loaded, reset_config_caches, uses_context_vars
-from torch_threadsafe_compile.registry import PatchSpec
+from torch_threadsafe_compile.registry import SPECS
 
-SPEC = PatchSpec(
-    id="config_overrides",
-    hazard="H6",
-    summary="config assigned in the main thread is the default of every thread; other assignments and config.patch stay per thread",
-    upstream="pytorch/pytorch#118260 (config patching across threads); ContextVar overrides since 2.12",
-    torch_versions=">=2.12",
-    modules=(CONFIG_MODULE,),
-)
+SPEC = SPECS["config_overrides"]
 
 _CONFIG_MODULE_FILE = "_config_module.py"
 _PATCH_METHODS = ("__enter__", "__exit__")  # ConfigPatch's, in _config_module.py

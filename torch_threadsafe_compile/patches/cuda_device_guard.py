@@ -24,17 +24,9 @@ from typing import Any
 from torch_threadsafe_compile import _forksafe
 from torch_threadsafe_compile._patching import Changes
 from torch_threadsafe_compile._torch import loaded
-from torch_threadsafe_compile.registry import PatchSpec
+from torch_threadsafe_compile.registry import SPECS
 
-SPEC = PatchSpec(
-    id="cuda_device_guard",
-    hazard="H3",
-    summary="torch._C._ensureCUDADeviceGuardSet runs once per process (the first compile), not while other threads run compiled code",
-    upstream=("pytorch/pytorch#118260 (reproducer segfaults on CUDA builds without a GPU); "
-              "FakeTensorMode.__enter__ calls _ensureCUDADeviceGuardSet"),
-    torch_versions=">=2.10",
-    modules=("torch._subclasses.fake_tensor",),
-)
+SPEC = SPECS["cuda_device_guard"]
 
 ENSURE = "_ensureCUDADeviceGuardSet"
 _lock = threading.Lock()

@@ -58,20 +58,11 @@ from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
 from torch_threadsafe_compile._patching import Changes
-from torch_threadsafe_compile.registry import PatchSpec
+from torch_threadsafe_compile.registry import SPECS
 
 log = logging.getLogger("torch_threadsafe_compile")
 
-SPEC = PatchSpec(
-    id="cudagraph_rng",
-    hazard="H7",
-    summary="CUDA graph recordings neither break nor repeat other threads' random numbers",
-    upstream="pytorch/pytorch#123177 layout with random inputs; generator capture state per device up to 2.11 "
-    "(per capture from 2.12, pytorch#176752); preserve_rng_state around tree recordings (all versions)",
-    torch_versions=">=2.4",
-    modules=("torch._inductor.cudagraph_trees",),
-    after=("cudagraph_trees_per_thread",),
-)
+SPEC = SPECS["cudagraph_rng"]
 
 CGT = SPEC.modules[0]
 PRIVATE_STATE_BEFORE = (2, 12)  # from 2.12 a generator keeps one capture state per capture id

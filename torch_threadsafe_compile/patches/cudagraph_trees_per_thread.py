@@ -84,20 +84,11 @@ from collections import defaultdict
 from typing import Any, Callable
 
 from torch_threadsafe_compile._patching import Changes, route_through, run_in_thread
-from torch_threadsafe_compile.registry import PatchSpec
+from torch_threadsafe_compile.registry import SPECS
 
 log = logging.getLogger("torch_threadsafe_compile")
 
-SPEC = PatchSpec(
-    id="cudagraph_trees_per_thread",
-    hazard="H7",
-    summary="CUDA graph trees per thread: reduce-overhead functions (and their backward) work from any thread",
-    upstream="pytorch/pytorch#123177 (torch.compile+cudagraphs asserts in multithreaded context); "
-    "per-thread TLS upstream from 2.13 (pytorch#184357)",
-    torch_versions=">=2.4,<2.13",
-    fixed_in="2.13",
-    modules=("torch._inductor.cudagraph_trees", "torch._dynamo.eval_frame"),
-)
+SPEC = SPECS["cudagraph_trees_per_thread"]
 
 CGT = SPEC.modules[0]
 EVAL_FRAME = SPEC.modules[1]

@@ -23,17 +23,9 @@ from typing import Any, Callable
 
 from torch_threadsafe_compile._patching import Changes, run_in_thread
 from torch_threadsafe_compile._torch import CONFIG_MODULE, loaded
-from torch_threadsafe_compile.registry import PatchSpec
+from torch_threadsafe_compile.registry import SPECS
 
-SPEC = PatchSpec(
-    id="dynamic_flags",
-    hazard="H5",
-    summary="torch.compile(dynamic=...) shape flags apply to the calling thread only",
-    upstream="pytorch/pytorch#118260 (config patching via the dynamic kwarg is not thread safe); per-thread from 2.12",
-    torch_versions=">=2.4,<2.12",
-    modules=(CONFIG_MODULE, "torch._dynamo"),  # verify reads dynamo's config
-    fixed_in="2.12",
-)
+SPEC = SPECS["dynamic_flags"]
 
 _MISSING = object()
 _overlays = threading.local()  # .by_module: {id(config module): {name: value}}

@@ -17,17 +17,9 @@ from typing import Any
 
 from torch_threadsafe_compile._patching import Changes, run_in_thread, thread_local_global
 from torch_threadsafe_compile._torch import loaded
-from torch_threadsafe_compile.registry import PatchSpec
+from torch_threadsafe_compile.registry import SPECS
 
-SPEC = PatchSpec(
-    id="export_flag",
-    hazard="H7",
-    summary="torch.compiler.is_exporting() is True only in the thread that exports",
-    upstream="pytorch/pytorch#105943 (PT2 is not thread safe); _is_exporting_flag is process-global",
-    torch_versions=">=2.7",  # the flag exists from 2.7 (docs/compat.md: it leaks on 2.7 and 2.8 too)
-    modules=("torch.compiler",),
-    after=("compile_session_flag",),
-)
+SPEC = SPECS["export_flag"]
 
 FLAG = "_is_exporting_flag"
 

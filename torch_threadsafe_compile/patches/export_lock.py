@@ -23,17 +23,9 @@ from typing import Any, Callable, Iterator
 
 from torch_threadsafe_compile._patching import Changes
 from torch_threadsafe_compile._torch import compile_lock, compile_lock_first, present_callables
-from torch_threadsafe_compile.registry import PatchSpec
+from torch_threadsafe_compile.registry import SPECS
 
-SPEC = PatchSpec(
-    id="export_lock",
-    hazard="H7",
-    summary="torch.export's global kernel overrides hold dynamo's compile_lock, so compiles never see them",
-    upstream="pytorch/pytorch#105943 (PT2 is not thread safe); export patches op.py_kernels process-wide",
-    torch_versions=">=2.4",
-    modules=("torch.export._trace", "torch._dynamo.convert_frame"),
-    uses=("compile_lock_watchdog",),  # priority for the overrides (_torch.compile_lock_first), when applied
-)
+SPEC = SPECS["export_lock"]
 
 # (module, context manager) pairs that change process-global state for their duration.
 TARGETS = (

@@ -26,16 +26,9 @@ from typing import Any, Callable
 from torch_threadsafe_compile import _forksafe
 from torch_threadsafe_compile._patching import Changes, run_in_thread
 from torch_threadsafe_compile._torch import loaded
-from torch_threadsafe_compile.registry import PatchSpec
+from torch_threadsafe_compile.registry import SPECS
 
-SPEC = PatchSpec(
-    id="export_serial",
-    hazard="H7",
-    summary="torch.export calls from several threads take turns (per-call state in torch.export._trace globals)",
-    upstream="pytorch/pytorch#105943 (PT2 is not thread safe); _EXPORT_MODULE_HIERARCHY/_EXPORT_FLAGS are module globals",
-    torch_versions=">=2.4",
-    modules=("torch.export._trace",),
-)
+SPEC = SPECS["export_serial"]
 
 ENTRY_POINTS = ("_export", "_export_for_training")
 GLOBALS = ("_EXPORT_MODULE_HIERARCHY", "_EXPORT_FLAGS")

@@ -38,18 +38,9 @@ from typing import Any, Callable, Iterator
 from torch_threadsafe_compile import _forksafe
 from torch_threadsafe_compile._patching import Changes, TargetBusy, run_in_thread, thread_local_global
 from torch_threadsafe_compile._torch import call_plumbing, compile_lock_first, loaded, skip_code
-from torch_threadsafe_compile.registry import PatchSpec
+from torch_threadsafe_compile.registry import SPECS
 
-SPEC = PatchSpec(
-    id="fx_patcher",
-    hazard="H7",
-    summary="fx.symbolic_trace's function patches and CURRENT_PATCHER apply to the tracing thread only",
-    upstream="pytorch/pytorch#187589 (FX patcher CURRENT_PATCHER is process-global)",
-    torch_versions=">=2.4",
-    modules=("torch.fx._symbolic_trace",),
-    after=("fx_tracing_flag",),
-    uses=("compile_lock_watchdog",),  # priority for its traces (_torch.compile_lock_first), when applied
-)
+SPEC = SPECS["fx_patcher"]
 
 _MISSING = object()
 # Upstream's ``_Patcher.patch`` writes ``new_fn.__fx_already_patched`` inside ``class _Patcher``, where Python

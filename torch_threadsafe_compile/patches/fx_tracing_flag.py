@@ -31,17 +31,9 @@ from typing import Any
 
 from torch_threadsafe_compile._patching import Changes, run_in_thread, scoped_value, thread_local_global
 from torch_threadsafe_compile._torch import loaded
-from torch_threadsafe_compile.registry import PatchSpec
+from torch_threadsafe_compile.registry import SPECS
 
-SPEC = PatchSpec(
-    id="fx_tracing_flag",
-    hazard="H1",
-    summary="FX tracing flag per thread: no false 'symbolically trace a dynamo-optimized function' errors",
-    upstream="pytorch/pytorch#118260 (dynamo is not thread safe); the flag became thread-local (_is_fx_tracing_tls) in 2.14",
-    torch_versions=">=2.4,<2.14",
-    fixed_in="2.14",
-    modules=("torch.fx._symbolic_trace",),
-)
+SPEC = SPECS["fx_tracing_flag"]
 
 FLAG = "_is_fx_tracing_flag"
 READERS = ("is_fx_tracing", "is_fx_symbolic_tracing")

@@ -41,18 +41,9 @@ from typing import Any
 from torch_threadsafe_compile import _graveyard
 from torch_threadsafe_compile._patching import Changes
 from torch_threadsafe_compile._torch import loaded
-from torch_threadsafe_compile.registry import PatchSpec
+from torch_threadsafe_compile.registry import SPECS
 
-SPEC = PatchSpec(
-    id="guard_invalidation",
-    hazard="H8",
-    summary="guard trees released by cache-entry invalidation (weakref finalizers) or diff-guard rebuilds are "
-            "kept until no thread that could be evaluating them is left",
-    upstream=("pytorch/pytorch#195355 (ExtraState lock, queued invalidations; after 2.15); "
-              "CheckFunctionManager.invalidate frees the RootGuardManager that lookup() may be evaluating"),
-    torch_versions=">=2.6",
-    modules=("torch._dynamo",),  # its import completes after guards.py (no new post-import hook)
-)
+SPEC = SPECS["guard_invalidation"]
 
 _stats = {"immediate": 0}
 

@@ -38,17 +38,9 @@ from typing import Any, Callable
 
 from torch_threadsafe_compile._patching import Changes, rewrite_function
 from torch_threadsafe_compile._torch import config_entries, config_unset, loaded
-from torch_threadsafe_compile.registry import PatchSpec
+from torch_threadsafe_compile.registry import SPECS
 
-SPEC = PatchSpec(
-    id="lazy_backward",
-    hazard="H4",
-    summary="compile the backward with the forward for graphs on an accelerator, so the autograd engine never waits for compile_lock",
-    upstream=("lazy backward since pytorch/pytorch#83367; the backward compiler takes compile_lock (2.6+); "
-              "switch force_non_lazy_backward_lowering (2.9+)"),
-    torch_versions=">=2.6",
-    modules=("torch._functorch.aot_autograd",),
-)
+SPEC = SPECS["lazy_backward"]
 
 OPTION = "force_non_lazy_backward_lowering"
 TARGET = "prepare_aot_module_simplified"  # >= 2.9

@@ -41,18 +41,9 @@ from torch_threadsafe_compile.patches.first_compile._calls import Retry
 from torch_threadsafe_compile.patches.first_compile._continuations import FACTORY_CODE, ContinuationGates
 from torch_threadsafe_compile.patches.first_compile._continuations_pre212 import call_closure_resume, make_hook
 from torch_threadsafe_compile.patches.first_compile._gate import GATE_CODE, RESUME_GATE_CODE, make_gate, make_resume_gate
-from torch_threadsafe_compile.registry import PatchSpec
+from torch_threadsafe_compile.registry import SPECS
 
-SPEC = PatchSpec(
-    id="first_compile",
-    hazard="H3",
-    summary="threads that need the same graph wait for one compile instead of compiling it again",
-    upstream="pytorch/pytorch#118260, #136833 (thread safety of torch.compile); compile_lock only queues compiles",
-    torch_versions=">=2.4",
-    modules=("torch._dynamo", "torch._dynamo.eval_frame", "torch._dynamo.convert_frame"),
-    after=("compile_lock_watchdog",),
-    uses=("fx_patcher",),  # its dispatcher is call plumbing between compile_wrapper and forward (_torch)
-)
+SPEC = SPECS["first_compile"]
 
 RESET_FUNCTIONS = ("reset", "reset_code_caches")
 
