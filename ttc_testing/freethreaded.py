@@ -5,7 +5,9 @@ They register on top of the hazard scenarios (``ttc_testing/scenarios.py``) and 
     python -m ttc_testing.freethreaded NAME [key=value ...]
 
 ``warm_calls`` is both the reproducer of dynamo's eval-frame shim race (``patches/eval_frame_shim.py``) and
-the workload of ``bench/freethreaded.py`` (warm compiled calls per second).
+the workload of ``bench/freethreaded.py`` (warm compiled calls per second). With ``TTC_FT_FORCE=1`` every
+scenario runs with the free-threading patches applied even where they are not registered yet, e.g.
+``TTC_FT_FORCE=1 PYTHON_GIL=0 python -m ttc_testing.freethreaded lookup_race``.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from ttc_testing import scenarios
 from ttc_testing.scenarios import SCENARIOS, scenario
 
 MODULE = "ttc_testing.freethreaded"
-__all__ = ["SCENARIOS", "run", "gil_state", "shim_patch_state"]
+__all__ = ["SCENARIOS", "FT_PATCHES", "run", "gil_state", "force_ft_patches"]
 
 
 def gil_state() -> dict[str, Any]:
@@ -35,37 +37,50 @@ def gil_state() -> dict[str, Any]:
     }
 
 
-def shim_patch_state(force: int) -> str:
-    """The state of ``eval_frame_shim``: applied by the package's lifecycle where it is registered; with
-    ``force=1`` applied here where it is not (the package active, the patch not registered yet)."""
-    if os.environ.get("TTC_DISABLE"):
-        return "disabled"
+FT_PATCHES = ("eval_frame_shim", "entry_list_order")
+_forced: dict[str, str] = {}  # patches force_ft_patches applied in this process (never twice)
+
+
+def force_ft_patches(force: int = 1) -> dict[str, str]:
+    """The state of the free-threading patches (``FT_PATCHES``): as the package's lifecycle left them where
+    they are registered; with ``force=1`` applied here where they are not (the package active, the patch not
+    registered yet). Forcing imports ``torch._dynamo`` (the patches' module) if it is not imported yet."""
+    if os.environ.get("TTC_DISABLE", "0") not in ("", "0"):
+        return dict.fromkeys(FT_PATCHES, "disabled")
     import torch_threadsafe_compile as ttc
 
-    for row in ttc.status().get("patches", []):
-        if row["id"] == "eval_frame_shim":
-            return str(row["state"])
-    if not force:
-        return "not registered"
-    import torch._dynamo.eval_frame  # noqa: F401 - the patch's module
+    states = {row["id"]: str(row["state"]) for row in ttc.status().get("patches", [])}
+    out = {}
+    for name in FT_PATCHES:
+        if name in states or name in _forced:
+            out[name] = states.get(name) or _forced[name]
+            continue
+        if not force:
+            out[name] = "not registered"
+            continue
+        import importlib
 
-    from torch_threadsafe_compile._patching import Changes
-    from torch_threadsafe_compile.patches import eval_frame_shim
+        import torch._dynamo.eval_frame  # noqa: F401 - the patches' module
 
-    reason = eval_frame_shim.check()
-    if reason:
-        return f"skipped: {reason}"
-    eval_frame_shim.apply(Changes("eval_frame_shim"))
-    eval_frame_shim.verify()
-    return "applied (forced)"
+        from torch_threadsafe_compile._patching import Changes
+
+        patch = importlib.import_module(f"torch_threadsafe_compile.patches.{name}")
+        reason = patch.check()
+        if reason:
+            out[name] = f"skipped: {reason}"
+            continue
+        patch.apply(Changes(name))
+        patch.verify()
+        out[name] = _forced[name] = "applied (forced)"
+    return out
 
 
 @scenario
-def warm_calls(threads: int = 2, seconds: float = 5.0, backend: str = "aot_eager", shim_lock: int = 0,
+def warm_calls(threads: int = 2, seconds: float = 5.0, backend: str = "aot_eager", force: int = 0,
                size: int = 16) -> dict[str, Any]:
     """``threads`` threads call one warm compiled function (``x * 2 + 1``) for ``seconds``; calls per second,
-    errors, frames that ran uncompiled. ``shim_lock=1``: apply ``eval_frame_shim`` here if the package is active
-    and the patch is not registered. Upstream on a free-threaded build without the GIL, two or more threads
+    errors, frames that ran uncompiled. ``force=1``: apply the free-threading patches here where the package is
+    active and they are not registered yet (``force_ft_patches``). Upstream on a free-threaded build without the GIL, two or more threads
     overflow the C stack in dynamo's shim (see ``patches/eval_frame_shim.py``)."""
     import torch
     import torch._dynamo.utils as du
@@ -73,7 +88,7 @@ def warm_calls(threads: int = 2, seconds: float = 5.0, backend: str = "aot_eager
     f = torch.compile(lambda x: x * 2 + 1, backend=backend)
     x = torch.randn(size)
     f(x)  # compiled here, before the threads start: every call below is warm
-    shim = shim_patch_state(shim_lock)
+    patches = force_ft_patches(force)
     graphs = int(du.counters["stats"]["unique_graphs"])
     counts = [0] * threads
     errors: list[str] = []
@@ -114,7 +129,7 @@ def warm_calls(threads: int = 2, seconds: float = 5.0, backend: str = "aot_eager
         "wrong": wrong[0],
         "extra_graphs": int(du.counters["stats"]["unique_graphs"]) - graphs,
         "uncompiled_frames": selftest._uncompiled_frames(),
-        "eval_frame_shim": shim,
+        "ft_patches": patches,
     }
 
 
@@ -125,4 +140,7 @@ def run(name: str, env: dict[str, str] | None = None, timeout: float = 300, **kw
 
 
 if __name__ == "__main__":
+    # TTC_FT_FORCE=1: any scenario (these and ttc_testing/scenarios.py's) with the free-threading patches forced.
+    if os.environ.get("TTC_FT_FORCE") == "1":
+        force_ft_patches(1)
     sys.exit(selftest._main(sys.argv[1:], module=MODULE))

@@ -90,6 +90,8 @@ def check() -> str | None:
     c_mod = _c_module()
     if not callable(getattr(c_mod, "set_eval_frame", None)):
         return "torch._C._dynamo.eval_frame.set_eval_frame not found"
+    if getattr(c_mod.set_eval_frame, "__wrapped__", None) is not None:
+        return "torch._C._dynamo.eval_frame.set_eval_frame is already wrapped"  # a second wrapper would self-deadlock
     if loaded("torch._dynamo.eval_frame").__dict__.get("set_eval_frame") is not c_mod.set_eval_frame:
         return "torch._dynamo.eval_frame.set_eval_frame is not the C function"
     return None
