@@ -64,3 +64,49 @@ def test_h9_export_beside_compiled_calls_does_not_crash() -> None:
     assert off["signal"] in ("SIGSEGV", "SIGFPE", "SIGABRT", "SIGBUS"), off
     for res in completes_active("export_beside_calls", seconds=8):
         assert res["exports"] > 0 and res["calls"] > 0, res
+
+
+_SOFT_RESET = r"""
+import threading, json
+import torch, torch._dynamo
+from torch._dynamo.testing import CompileCounter
+torch._dynamo.config.recompile_limit = 4
+cnt = CompileCounter()
+def f(x):
+    return x.sin() + 1
+opt = torch.compile(f, backend=cnt)
+x = torch.randn(3)
+hold, release = threading.Event(), threading.Event()
+t = threading.Thread(target=lambda: (hold.set(), release.wait(60)))
+t.start(); hold.wait()
+frames = []
+for _ in range(10):  # more resets than recompile_limit: each must compile afresh, none may hit the limit
+    opt(x); opt(x)
+    torch._dynamo.eval_frame.remove_from_cache(f)
+    frames.append(cnt.frame_count)
+release.set(); t.join()
+opt(x)
+torch._dynamo.eval_frame.remove_from_cache(f)  # no other thread: upstream's reset_code
+opt(x)
+import torch_threadsafe_compile as ttc
+rep = [p for p in ttc.status()["patches"] if p["id"] == "code_reset"][0]
+print("OUT " + json.dumps({"frames": frames, "final": cnt.frame_count, "state": rep["state"],
+                           "entries": len(torch._C._dynamo.eval_frame._debug_get_cache_entry_list(f.__code__))}))
+"""
+
+
+@needs_26
+def test_h9_reset_code_with_other_threads_recompiles_like_upstream() -> None:
+    """patch code_reset: while another thread exists, each remove_from_cache still makes the next call compile
+    afresh, more often than recompile_limit; without other threads, reset_code is upstream's (entries freed)."""
+    import json
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-c", _SOFT_RESET], env=_env(ON), capture_output=True, text=True, timeout=300)
+    line = [x for x in p.stdout.splitlines() if x.startswith("OUT ")]
+    assert p.returncode == 0 and line, p.stderr[-2000:]
+    out = json.loads(line[0][4:])
+    assert out["state"] == "applied", out
+    assert out["frames"] == list(range(1, 11)), out
+    assert out["final"] == 12 and out["entries"] == 1, out
