@@ -48,8 +48,12 @@ SPEC = SPECS["guard_invalidation"]
 _stats = {"immediate": 0}
 
 
+def _release_all() -> None:
+    _graveyard.release(everything=True)
+
+
 def _make_invalidate(original: Any) -> Any:
-    def invalidate(self: Any, obj_str: str) -> None:
+    def invalidate(self: Any, obj_str: str) -> Any:
         _graveyard.release()
         others = _graveyard.others()
         if others:
@@ -68,7 +72,7 @@ def _make_invalidate(original: Any) -> Any:
 
 
 def _make_populate(original: Any) -> Any:
-    def populate_diff_guard_manager(self: Any) -> None:
+    def populate_diff_guard_manager(self: Any) -> Any:
         old = self.__dict__.get("diff_guard_root")
         if old is not None:
             others = _graveyard.others()
@@ -120,7 +124,7 @@ def apply(changes: Changes) -> dict[str, Any]:
         changes.setattr(gmw, "populate_diff_guard_manager", _make_populate(pop))
     dynamo = loaded("torch._dynamo")
     changes.setattr(dynamo, "reset_code_state", _make_reset_hook(dynamo.reset_code_state))
-    changes.on_revert(lambda: _graveyard.release(everything=True))
+    changes.on_revert(_release_all)
     return {}
 
 
@@ -143,7 +147,11 @@ def verify() -> None:
     tree = _Tree()
     probe.guard_manager = tree  # type: ignore[attr-defined]
     started, finish = threading.Event(), threading.Event()
-    t = threading.Thread(target=lambda: (started.set(), finish.wait(10)), name="ttc-h8-verify", daemon=True)
+    def other() -> None:
+        started.set()
+        finish.wait(10)
+
+    t = threading.Thread(target=other, name="ttc-h8-verify", daemon=True)
     t.start()
     started.wait(10)
     try:
