@@ -95,9 +95,10 @@ def verify() -> None:
     mod = _module()
     tls = mod.__dict__["_ttc_tls_is_fx_tracing_flag"]
     old = tls.value
-    reader = _isolated(getattr(mod, "is_fx_symbolic_tracing", None) or mod.is_fx_tracing)
     tls.value = True
     try:
+        # Copied after the flag is set: the copy's globals hold the count of threads with the flag set.
+        reader = _isolated(getattr(mod, "is_fx_symbolic_tracing", None) or mod.is_fx_tracing)
         if not reader():
             raise AssertionError(f"{reader.__name__}() does not see this thread's flag")
         if run_in_thread(reader):
