@@ -3,11 +3,15 @@
 1. Warm calls of a tiny compiled function (``x + 1`` on a 16-element tensor, backend ``aot_eager`` by
    default): the same function compiled once without the gate (package uninstalled) and once with it,
    in one process, alternating batches; median per-call time of each and their ratio.
-2. Stampede: 8 threads make the first call of one compiled function at the same moment; wall time of
+2. Warm calls of the smallest compiled function (``torch.compile(lambda x: x + 1, backend="eager")``),
+   where the gate and the per-thread flags are the largest share of a call: per interpreter, best of 7 x
+   20,000 calls, active vs ``TTC_DISABLE=1`` (everything the package changes, not only the gate), in
+   ``--pairs`` alternating interpreter pairs; the median of the pairs' ratios.
+3. Stampede: 8 threads make the first call of one compiled function at the same moment; wall time of
    the stampede divided by the wall time of a single thread's first call (one compile), both active and
    unpatched.
 
-    python bench/warm_call.py [--rounds 10] [--backend inductor]
+    python bench/warm_call.py [--rounds 10] [--pairs 5] [--backend inductor]
 """
 
 from __future__ import annotations
@@ -43,6 +47,19 @@ for i in range(40):
 print(json.dumps([statistics.median(per["gated"]), statistics.median(per["plain"])]))
 """
 
+SMALLEST = """
+import time, json, torch
+f = torch.compile(lambda x: x + 1, backend="eager")
+x = torch.randn(16)
+for _ in range(500): f(x)
+best = 1e9
+for _ in range(7):
+    t0 = time.perf_counter()
+    for _ in range(20000): f(x)
+    best = min(best, (time.perf_counter() - t0) / 20000)
+print(json.dumps(best))
+"""
+
 STAMPEDE = """
 import time, threading, json, torch
 def make():
@@ -67,7 +84,17 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--backend", default="aot_eager")
     ap.add_argument("--threads", type=int, default=8)
+    ap.add_argument("--pairs", type=int, default=5, help="interpreter pairs for the smallest eager-backend function")
     a = ap.parse_args()
+    pairs = []
+    for i in range(a.pairs):
+        order = (False, True) if i % 2 == 0 else (True, False)
+        got = {disabled: json.loads(run_child(SMALLEST, disabled)) for disabled in order}
+        pairs.append((got[False], got[True]))
+    ratios_small = sorted(on / off for on, off in pairs)
+    print(f"warm call of the smallest eager-backend function: active {statistics.median(p[0] for p in pairs)*1e6:.2f} us, "
+          f"TTC_DISABLE=1 {statistics.median(p[1] for p in pairs)*1e6:.2f} us, median ratio of {a.pairs} interpreter pairs "
+          f"{statistics.median(ratios_small):.3f} (range {ratios_small[0]:.3f}..{ratios_small[-1]:.3f})")
     runs = [json.loads(run_child(WARM.format(backend=a.backend), False)) for _ in range(a.rounds)]
     gated = statistics.median(r[0] for r in runs)
     plain = statistics.median(r[1] for r in runs)
