@@ -36,6 +36,15 @@ def _run_for(ts: list[threading.Thread], seconds: float, stop: threading.Event) 
         t.join()
 
 
+def _reset_every(seconds: float, stop: threading.Event, counts: dict[str, Any]) -> None:
+    """``torch._dynamo.reset()`` every ``seconds`` until ``stop``, counted in ``counts["resets"]``."""
+    import torch._dynamo
+
+    while not stop.wait(seconds):
+        torch._dynamo.reset()
+        counts["resets"] += 1
+
+
 def _maybe_late_install(late: bool) -> None:
     """For ``late=1``: undo start-up activation now, and re-install after the caller compiled."""
     if late:
@@ -602,9 +611,7 @@ def reset_under_load(seconds: float = 10.0, threads: int = 6, reset_every: float
                 first_error[:] = first_error or [f"{type(e).__name__}: {str(e)[:160]}"]
 
     def resetter() -> None:
-        while not stop.wait(reset_every):
-            torch._dynamo.reset()
-            counts["resets"] += 1
+        _reset_every(reset_every, stop, counts)
 
     def configurer() -> None:
         k = 0
@@ -783,9 +790,7 @@ def backward_resets(seconds: float = 20.0, threads: int = 8, reset_every: float 
                 first_error[:] = first_error or [f"{type(e).__name__}: {str(e)[:160]}"]
 
     def resetter() -> None:
-        while not stop.wait(reset_every):
-            torch._dynamo.reset()
-            counts["resets"] += 1
+        _reset_every(reset_every, stop, counts)
 
     ts = [threading.Thread(target=caller, args=(i,), daemon=True) for i in range(threads)]
     ts.append(threading.Thread(target=resetter, daemon=True))
