@@ -415,7 +415,10 @@ def crash_frames(text: str, n: int = 4) -> list[str]:
                 x = x.strip()
                 m = re.match(r'File "(.*)", line (\d+) in (.*)', x)
                 if m:
-                    path = m.group(1).split("site-packages/")[-1]
+                    path = m.group(1)
+                    # torch's files relative to site-packages; others by their last two parts (no
+                    # absolute paths of the machine in reports)
+                    path = path.split("site-packages/")[-1] if "site-packages/" in path else "/".join(path.split("/")[-2:])
                     x = f"{path}:{m.group(2)} {m.group(3)}"
                 out.append(x)
             break
