@@ -27,6 +27,7 @@ py=${TTC_FT_PYTHON:-$(bash .ci/build-freethreaded-python.sh "$CACHE/py313t" | ta
 #    cp313t wheels (pip would build one from source for ~10 min). The public index, as for the other legs.
 stamp "venv torch $TORCH (cp313t)"
 rm -rf "$VENV"
+trap 'rm -rf "$VENV"' EXIT  # ~5 GB: removed whether the leg passes or stops on a failure
 "$py" -m venv "$VENV"
 PIP_CONFIG_FILE=/dev/null "$VENV/bin/pip" install -q --no-cache-dir --only-binary=:all: "torch==$TORCH" 'numpy<2.4'
 # The test extra's pytest packages, not the extra itself: its gevent needs cffi, which refuses to build for
@@ -50,5 +51,4 @@ stamp "doctor --selftest (GIL off)"
 stamp "short soak (GIL off)"
 "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/soak/test_soak.py
 
-rm -rf "$VENV"
 stamp "done"
