@@ -26,10 +26,10 @@ WATCHDOG_MIN_S = 0.1
 # The patch ids TTC_DISABLE may name: registry.PATCH_MODULES, kept here so that the interpreter start can
 # check them without importing the registry (tests/test_registry.py checks that the two agree).
 KNOWN_PATCHES = frozenset({
-    "fx_tracing_flag", "fx_patcher", "compile_session_flag", "export_flag", "config_overrides", "dynamic_flags",
-    "compile_import_lock", "compile_lock_watchdog", "export_lock", "export_serial", "lazy_backward", "cuda_device_guard",
-    "first_compile", "cudagraph_trees_per_thread", "cudagraph_rng", "guard_invalidation",
-    "code_reset",
+    "fx_tracing_flag", "fx_patcher", "compile_session_flag", "export_flag", "config_overrides",
+    "dynamic_flags", "compile_import_lock", "compile_lock_watchdog", "export_lock",
+    "export_serial", "lazy_backward", "cuda_device_guard", "first_compile", "cudagraph_trees_per_thread",
+    "cudagraph_rng", "guard_invalidation", "code_reset",
 })
 # A bad value is quoted in the warning line up to this many characters (the line stays one line).
 QUOTE_MAX = 40
