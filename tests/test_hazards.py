@@ -7,6 +7,9 @@ Hazard ids are those of docs/hazards.md; the patch for each is named in the test
 
 from __future__ import annotations
 
+import os
+import sysconfig
+
 import pytest
 from packaging.version import Version
 
@@ -14,6 +17,9 @@ from conftest import torch_version
 from ttc_testing import scenarios
 
 TV = torch_version()
+# Free-threaded CPython with the GIL off: unpatched torch crashes in many of these scenarios (dynamo's C state
+# is unsynchronized without the GIL; docs/hazards.md), and a crash is the hazard showing there.
+NO_GIL = bool(sysconfig.get_config_var("Py_GIL_DISABLED")) and os.environ.get("PYTHON_GIL") == "0"
 OFF = {"TTC_DISABLE": "1"}
 ON = {"TTC_DISABLE": "0"}
 
@@ -24,7 +30,7 @@ def pair(name: str, unpatched_may_crash: bool = False, **kwargs):  # noqa: ANN20
     returned as ``{"crashed": signal}``. The active run must always complete."""
     off = scenarios.run(name, env=OFF, **kwargs)
     on = scenarios.run(name, env=ON, **kwargs)
-    if unpatched_may_crash and off.get("rc", 0) < 0:
+    if (unpatched_may_crash or NO_GIL) and off.get("rc", 0) < 0:
         off = {"crashed": -off["rc"]}
     for label, res in (("unpatched", off), ("active", on)):
         assert "timeout" not in res and "rc" not in res, f"{name} {label}: {res}"
@@ -51,7 +57,8 @@ def test_h1_no_false_nested_trace_errors(late: int) -> None:
     """patch fx_tracing_flag: callers of a warm compiled fn get no 'symbolically trace a dynamo-optimized
     function' errors while another thread compiles with backward; also for fns compiled before install()."""
     off, on = pair("fx_flag_leak", compiles=3, late=late)
-    assert off["errors"] > 0 and "dynamo-optimized" in off["kinds"][0]
+    if "crashed" not in off:  # GIL off: an unpatched crash is the hazard showing (pair)
+        assert off["errors"] > 0 and "dynamo-optimized" in off["kinds"][0]
     assert on["errors"] == 0 and on["ok_calls"] > 0
 
 

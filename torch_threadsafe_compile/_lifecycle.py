@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib
 import logging
 import sys
+import sysconfig
 import threading
 from dataclasses import dataclass, field
 from enum import Enum
@@ -152,6 +153,8 @@ def _static_skip(spec: PatchSpec, settings: _env.Settings) -> tuple[Skip, str] |
     """Why ``spec`` can never apply in this process (decidable as soon as torch is imported), or None."""
     if spec.id in settings.disabled_patches:
         return Skip.DISABLED, f"disabled by TTC_DISABLE={','.join(sorted(settings.disabled_patches))}"
+    if spec.free_threaded and not sysconfig.get_config_var("Py_GIL_DISABLED"):
+        return Skip.OUT_OF_RANGE, "a GIL build: the hazard needs free-threaded CPython"
     v = _versions.torch_version()
     if v is None:
         return Skip.UNKNOWN_VERSION, _versions.version_error() or "unknown torch version"

@@ -40,6 +40,7 @@ class PatchSpec:
     # Patches whose changes it picks up at call time when they are applied, in any order (no waiting):
     # the contracts between patches that no import shows (tests/test_registry.py checks they exist).
     uses: tuple[str, ...] = ()
+    free_threaded: bool = False  # the hazard needs free-threaded CPython (GIL off): skipped on GIL builds
 
 
 class Patch(Protocol):
@@ -188,6 +189,28 @@ SPECS: dict[str, PatchSpec] = {
                 "other threads' lookup() and compiles hold"),
             torch_versions=">=2.6",
             modules=("torch._dynamo",),  # its import completes after eval_frame, convert_frame and guards
+        ),
+        PatchSpec(
+            id="eval_frame_shim",
+            hazard="H10",
+            summary="free-threaded builds: dynamo's set_eval_frame runs one thread at a time (no shim recursion, "
+                    "no C stack overflow when threads start compiled calls at once)",
+            upstream=("torch/csrc/dynamo/eval_frame.c: active_dynamo_threads and previous_eval_frame are read and "
+                      "written without synchronization (pytorch/pytorch#118260; free-threading support #149549)"),
+            torch_versions=">=2.4",
+            modules=("torch._dynamo.eval_frame",),
+            free_threaded=True,
+        ),
+        PatchSpec(
+            id="entry_list_order",
+            hazard="H10",
+            summary="free-threaded builds: dynamo's cache-entry lists are not reordered on hits (no concurrent splices "
+                    "of one std::list: no corrupted list, no spurious recompiles)",
+            upstream="torch/csrc/dynamo/extra_state.cpp: lookup() moves hits to the front unsynchronized; "
+                     "pytorch/pytorch#195355 adds a lock per ExtraState (after 2.15)",
+            torch_versions=">=2.4",
+            modules=("torch._dynamo.eval_frame",),
+            free_threaded=True,
         ),
         PatchSpec(
             id="first_compile",

@@ -1,4 +1,4 @@
-"""Free-threaded CPython (crash, hang, spurious recompiles) — dynamo's cache-entry lists are not reordered on hits.
+"""H10, free-threaded CPython (crash, hang, spurious recompiles) — dynamo's cache-entry lists are not reordered on hits.
 
 Dynamo keeps each code object's cache entries in a ``std::list`` (``ExtraState::cache_entry_list``). Its C
 ``lookup()`` walks that list on every call of a compiled function and, on a hit, moves the entry it found to
@@ -36,18 +36,9 @@ from typing import Any
 
 from torch_threadsafe_compile._patching import Changes
 from torch_threadsafe_compile._torch import loaded
-from torch_threadsafe_compile.registry import PatchSpec
+from torch_threadsafe_compile.registry import SPECS
 
-SPEC = PatchSpec(
-    id="entry_list_order",
-    hazard="H3",
-    summary="free-threaded builds: dynamo's cache-entry lists are not reordered on hits (no concurrent splices "
-            "of one std::list: no corrupted list, no spurious recompiles)",
-    upstream="torch/csrc/dynamo/extra_state.cpp: lookup() moves hits to the front unsynchronized; "
-             "pytorch/pytorch#195355 adds a lock per ExtraState (after 2.15)",
-    torch_versions=">=2.4",
-    modules=("torch._dynamo.eval_frame",),
-)
+SPEC = SPECS["entry_list_order"]
 
 SWITCH = "_set_lru_cache"
 

@@ -1,4 +1,4 @@
-"""Free-threaded CPython (crash) — dynamo's frame-evaluation shim is installed and removed one thread at a time.
+"""H10, free-threaded CPython (crash) — dynamo's frame-evaluation shim is installed and removed one thread at a time.
 
 Every call of a compiled function sets the calling thread's dynamo callback on entry and clears it on return
 (``set_eval_frame`` in ``torch/_dynamo/eval_frame.py``, a C function of ``torch._C._dynamo.eval_frame``). The C
@@ -39,18 +39,9 @@ from typing import Any
 
 from torch_threadsafe_compile._patching import Changes
 from torch_threadsafe_compile._torch import loaded, skip_code
-from torch_threadsafe_compile.registry import PatchSpec
+from torch_threadsafe_compile.registry import SPECS
 
-SPEC = PatchSpec(
-    id="eval_frame_shim",
-    hazard="H7",
-    summary="free-threaded builds: dynamo's set_eval_frame runs one thread at a time (no shim recursion, "
-            "no C stack overflow when threads start compiled calls at once)",
-    upstream=("torch/csrc/dynamo/eval_frame.c: active_dynamo_threads and previous_eval_frame are read and "
-              "written without synchronization (pytorch/pytorch#118260; free-threading support #149549)"),
-    torch_versions=">=2.4",
-    modules=("torch._dynamo.eval_frame",),
-)
+SPEC = SPECS["eval_frame_shim"]
 
 C_MODULE = "torch._C._dynamo.eval_frame"
 # (module, attribute) pairs through which torch calls the C function; each is replaced only if it is it.
