@@ -1,8 +1,11 @@
 """The crashes found by running PyTorch's own tests with pytest-run-parallel (H8, H9 of docs/hazards.md),
 reproduced without pytest (ttc_testing/crash_scenarios.py), unpatched vs active, in fresh interpreters.
 
-The hazard must show with ``TTC_DISABLE=1`` — a crash (a signal) counts — in at most ``TRIES`` runs (each
-crashes in most runs on torch 2.13 CPU); the active runs must all complete.
+The active runs must all complete. The hazard is a race: unpatched, a crash (a signal) shows it in most runs
+of a busy machine (3 of 4 on torch 2.13 CPU under load) and in fewer on a quiet one (0 of 4 seen once). So
+the unpatched side runs up to ``TRIES`` times and stops at the first crash; where no run crashed the test
+cannot tell the patch from its absence and skips, saying so, instead of passing. ``bench/stress.py``-style
+repetition is the measurement (docs/upstream-tests.md).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from ttc_testing import crash_scenarios
 TV = torch_version()
 OFF = {"TTC_DISABLE": "1"}
 ON = {"TTC_DISABLE": "0"}
-TRIES = 4
+TRIES = 6
 
 needs_26 = pytest.mark.skipif(TV < Version("2.6"), reason="the patches cover torch >= 2.6")
 
@@ -36,7 +39,7 @@ def crashes_unpatched(name: str, **kwargs: object) -> dict:
         runs.append(res)
         if res.get("crashed"):
             return res
-    pytest.fail(f"{name}: no crash unpatched in {TRIES} runs: {runs}")
+    pytest.skip(f"{name}: the race did not crash unpatched torch in {TRIES} runs here (nothing to compare): {runs[-1]}")
 
 
 def completes_active(name: str, runs: int = 2, **kwargs: object) -> list[dict]:
@@ -51,19 +54,19 @@ def completes_active(name: str, runs: int = 2, **kwargs: object) -> list[dict]:
 @needs_26
 def test_h8_guard_invalidation_during_lookups_does_not_crash() -> None:
     """patch guard_invalidation: weakref-finalizer invalidations while other threads evaluate the guards."""
-    off = crashes_unpatched("guard_invalidation_race", seconds=8)
-    assert off["signal"] in ("SIGSEGV", "SIGFPE", "SIGABRT", "SIGBUS"), off
     for res in completes_active("guard_invalidation_race", seconds=8):
         assert res["calls"] > 0 and res["errors"] == 0, res
+    off = crashes_unpatched("guard_invalidation_race", seconds=8)
+    assert off["signal"] in ("SIGSEGV", "SIGFPE", "SIGABRT", "SIGBUS"), off
 
 
 @needs_26
 def test_h9_export_beside_compiled_calls_does_not_crash() -> None:
     """patch code_reset: torch._dynamo.export (reset_code) while other threads call the function compiled."""
-    off = crashes_unpatched("export_beside_calls", seconds=8)
-    assert off["signal"] in ("SIGSEGV", "SIGFPE", "SIGABRT", "SIGBUS"), off
     for res in completes_active("export_beside_calls", seconds=8):
         assert res["exports"] > 0 and res["calls"] > 0, res
+    off = crashes_unpatched("export_beside_calls", seconds=8)
+    assert off["signal"] in ("SIGSEGV", "SIGFPE", "SIGABRT", "SIGBUS"), off
 
 
 _SOFT_RESET = r"""

@@ -18,7 +18,7 @@ from typing import Any
 
 from torch_threadsafe_compile import _forksafe
 
-__all__ = ["others", "keep", "release", "held", "stats"]
+__all__ = ["others", "keep", "release", "held", "waits_for", "forget", "stats"]
 
 _lock = threading.Lock()
 _tombs: list[tuple[tuple[Any, ...], frozenset[int]]] = []
@@ -76,6 +76,19 @@ def release(everything: bool = False) -> int:
 def held(obj: Any) -> bool:
     with _lock:
         return any(o is obj for objs, _ in _tombs for o in objs)
+
+
+def waits_for(obj: Any) -> frozenset[int]:
+    """The threads still alive that keep ``obj``'s tomb (empty when it is not kept, or could be dropped)."""
+    alive = _alive()
+    with _lock:
+        return frozenset().union(*(threads & alive for objs, threads in _tombs if any(o is obj for o in objs)))
+
+
+def forget(obj: Any) -> None:
+    """Drop the tombs holding ``obj`` (a self-check's probe)."""
+    with _lock:
+        _tombs[:] = [t for t in _tombs if not any(o is obj for o in t[0])]
 
 
 def count() -> int:
