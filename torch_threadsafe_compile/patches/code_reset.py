@@ -29,6 +29,8 @@ invalidated entries stay in the list (a failed check costs a pointer test) until
 
 from __future__ import annotations
 
+import dataclasses
+import sys
 from typing import Any
 
 from torch_threadsafe_compile import _graveyard
@@ -74,10 +76,31 @@ def _make_reset_code(original: Any, lister: Any) -> Any:
     return reset_code
 
 
+def _without_ours(frame: Any, head: Any, result: Any) -> Any:
+    """torch <= 2.12 passes the head of dynamo's linked entry list (walked with ``.next``), not a list:
+    take the invalidated entries out of the counts that ``original`` returned instead."""
+    same = getattr(sys.modules.get("torch._dynamo.cache_size"), "_has_same_id_matched_objs", None)
+    total = matched = 0
+    entry = head
+    while entry:
+        if _is_ours(entry):
+            total += 1
+            matched += bool(same is not None and same(frame, entry))
+        entry = entry.next
+    if not total or not dataclasses.is_dataclass(result) or isinstance(result, type):
+        return result
+    entries: int = result.num_cache_entries  # type: ignore[attr-defined]  # CacheSizeRelevantForFrame
+    same_ids: int = result.num_cache_entries_with_same_id_matched_objs  # type: ignore[attr-defined]
+    return dataclasses.replace(result, num_cache_entries=max(0, entries - total),
+                               num_cache_entries_with_same_id_matched_objs=max(0, same_ids - matched))
+
+
 def _make_cache_size(original: Any, lister: Any) -> Any:
     def compute_cache_size(frame: Any, cache_entries: Any, *args: Any, **kwargs: Any) -> Any:
         if _stats["entries_invalidated"]:
             ours = sum(1 for e in lister(frame.f_code) if _is_ours(e))
+            if ours and not isinstance(cache_entries, (list, tuple)):
+                return _without_ours(frame, cache_entries, original(frame, cache_entries, *args, **kwargs))
             if ours:
                 cache_entries = [e for e in cache_entries if not _is_ours(e)]
                 if args and isinstance(args[0], int):
