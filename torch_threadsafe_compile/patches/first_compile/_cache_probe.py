@@ -11,6 +11,7 @@ result counts as cached for ``PENDING_S``.
 
 from __future__ import annotations
 
+import threading
 import time
 import types
 import weakref
@@ -64,6 +65,9 @@ class CacheProbe:
             raise RuntimeError("torch._C._dynamo.eval_frame._debug_get_cache_entry_list not found")
         self._entries = lister
         self._pending: weakref.WeakKeyDictionary[types.CodeType, list[tuple[float, Checker, Any]]] = weakref.WeakKeyDictionary()
+        # A leaf lock around the table: compile results are remembered outside compile_lock (flights without
+        # a key) and, without the GIL, iterating it while another thread changes it raises.
+        self._lock = threading.Lock()
 
     def remember(self, code: types.CodeType, result: Any, backend: Any) -> None:
         guarded = getattr(result, "guarded_code", result)
@@ -71,25 +75,29 @@ class CacheProbe:
         if checker is None:
             return
         now = time.monotonic()
-        for other in list(self._pending.keys()):  # prune: expired results of any code object
-            fresh = [p for p in self._pending.get(other, ()) if now - p[0] < PENDING_S]
-            if fresh:
-                self._pending[other] = fresh
-            else:
-                self._pending.pop(other, None)
-        self._pending[code] = [*self._pending.get(code, ()), (now, checker, backend)]
+        with self._lock:
+            for other in list(self._pending.keys()):  # prune: expired results of any code object
+                fresh = [p for p in self._pending.get(other, ()) if now - p[0] < PENDING_S]
+                if fresh:
+                    self._pending[other] = fresh
+                else:
+                    self._pending.pop(other, None)
+            self._pending[code] = [*self._pending.get(code, ()), (now, checker, backend)]
 
     def clear(self) -> None:
-        self._pending.clear()
+        with self._lock:
+            self._pending.clear()
 
     def pending_size(self) -> int:
-        return len(self._pending)
+        with self._lock:
+            return len(self._pending)
 
     def matches(self, frame: Any, backend: Any) -> bool:
         """Whether the cache holds an entry dynamo's lookup would use for ``frame`` (guards and backend),
         counting a compile result that dynamo has not inserted yet."""
         now = time.monotonic()
-        pending = self._pending.get(frame.f_code, ())
+        with self._lock:
+            pending = list(self._pending.get(frame.f_code, ()))
         candidates: list[tuple[Checker | None, Any]] = [(check, saved) for created, check, saved in pending if now - created < PENDING_S]
         candidates += [(entry_checker(e), getattr(e, "backend", backend)) for e in self._entries(frame.f_code)]
         f_locals = frame.f_locals  # the frame's arguments, as the guards see them (not control flow of ours)

@@ -83,9 +83,15 @@ class GateCall:
 all_stacks: dict[int, list[Any]] = {}
 
 
+# Guards all_stacks' registrations and prunings (without the GIL a check-then-delete could drop the entry of
+# a new thread that reuses a dead thread's ident). A leaf lock: nothing is taken under it.
+stacks_lock = threading.Lock()
+
+
 def _stacks_init(self: Any) -> None:
     self.stack = []
-    all_stacks[threading.get_ident()] = self.stack
+    with stacks_lock:
+        all_stacks[threading.get_ident()] = self.stack
 
 
 def _new_stacks() -> Any:
@@ -110,6 +116,8 @@ def rebind_locals() -> None:
 @_forksafe.in_child
 def _after_fork() -> None:
     """In a forked child only the forking thread exists: its stack stays (its calls go on there)."""
+    global stacks_lock
+    stacks_lock = threading.Lock()  # another thread of the parent may have held it
     me = threading.get_ident()
     for ident in list(all_stacks):
         if ident != me:

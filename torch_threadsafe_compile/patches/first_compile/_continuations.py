@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 import types
 import weakref
 from typing import Any, Callable
@@ -46,6 +47,7 @@ class ContinuationGates:
     def __init__(self, enabled: bool = True) -> None:
         self.enabled = enabled
         self._gates: weakref.WeakSet[Callable[..., Any]] = weakref.WeakSet()
+        self._lock = threading.Lock()  # a leaf lock: without the GIL a WeakSet is not safe to share
 
     def install(self, frame_globals: dict[str, Any], result: Any) -> None:
         """Put a gate in front of the continuations that the code just compiled for a frame calls."""
@@ -69,14 +71,18 @@ class ContinuationGates:
                 continue
             gate._ttc_restore = (frame_globals, name, fn)  # type: ignore[attr-defined]
             frame_globals[name] = gate
-            self._gates.add(gate)
+            with self._lock:
+                self._gates.add(gate)
 
     def restore(self) -> None:
-        for gate in list(self._gates):
+        with self._lock:
+            gates = list(self._gates)
+        for gate in gates:
             scope, name, fn = gate._ttc_restore  # type: ignore[attr-defined]
             if scope.get(name) is gate:
                 scope[name] = fn
         self._gates.clear()
 
     def __len__(self) -> int:
-        return len(self._gates)
+        with self._lock:
+            return len(self._gates)

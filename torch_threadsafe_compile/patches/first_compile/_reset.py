@@ -80,10 +80,14 @@ class ResetBarrier:
             entries.pop()
 
     def _others_inside(self, me: int) -> bool:
-        alive = {t.ident for t in threading.enumerate()}
-        for ident, stack in list(_calls.all_stacks.items()):
+        with _calls.stacks_lock:
+            entries = list(_calls.all_stacks.items())
+        alive = {t.ident for t in threading.enumerate()}  # after the copy: a thread registered since is alive
+        for ident, stack in entries:
             if ident not in alive:
-                _calls.all_stacks.pop(ident, None)
+                with _calls.stacks_lock:
+                    if _calls.all_stacks.get(ident) is stack:  # not a new thread that reuses the ident
+                        del _calls.all_stacks[ident]
             elif ident != me and stack:
                 return True
         return False
