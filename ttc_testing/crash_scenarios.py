@@ -19,6 +19,8 @@ import threading
 import time
 from typing import Any
 
+from ttc_testing.scenarios import _run_for
+
 from torch_threadsafe_compile.selftest import _main, scenario
 
 MODULE = "ttc_testing.crash_scenarios"
@@ -68,13 +70,7 @@ def guard_invalidation_race(threads: int = 4, seconds: float = 6.0, backend: str
             if calls[i] % 3 == 0:
                 gc.collect()
 
-    ts = [threading.Thread(target=worker, args=(i,)) for i in range(threads)]
-    for t in ts:
-        t.start()
-    time.sleep(seconds)
-    stop.set()
-    for t in ts:
-        t.join()
+    _run_for([threading.Thread(target=worker, args=(i,)) for i in range(threads)], seconds, stop)
     entries = torch._C._dynamo.eval_frame._debug_get_cache_entry_list(fn.__code__)
     return {"calls": sum(calls), "errors": sum(errors.values()), "kinds": list(errors)[:3],
             "entries": len(entries)}

@@ -35,6 +35,7 @@ lookup are queued and applied after it), after 2.15.
 
 from __future__ import annotations
 
+import functools
 import threading
 from typing import Any
 
@@ -64,10 +65,7 @@ def _make_invalidate(original: Any) -> Any:
             _stats["immediate"] += 1
         return original(self, obj_str)
 
-    invalidate.__wrapped__ = original  # type: ignore[attr-defined]
-    invalidate.__name__ = original.__name__
-    invalidate.__qualname__ = original.__qualname__
-    invalidate.__doc__ = original.__doc__
+    functools.update_wrapper(invalidate, original)  # name, qualname, doc, module, __wrapped__
     return invalidate
 
 
@@ -80,10 +78,7 @@ def _make_populate(original: Any) -> Any:
                 _graveyard.keep((old,), others)
         return original(self)
 
-    populate_diff_guard_manager.__wrapped__ = original  # type: ignore[attr-defined]
-    populate_diff_guard_manager.__name__ = original.__name__
-    populate_diff_guard_manager.__qualname__ = original.__qualname__
-    populate_diff_guard_manager.__doc__ = original.__doc__
+    functools.update_wrapper(populate_diff_guard_manager, original)  # name, qualname, doc, module, __wrapped__
     return populate_diff_guard_manager
 
 
