@@ -77,7 +77,7 @@ def _patch_state(disabled: bool) -> dict[str, Any]:
         out["registry"] = f"status() failed: {type(e).__name__}: {e}"
     import importlib
 
-    from torch_threadsafe_compile._patching import Changes
+    from torch_threadsafe_compile._journal import Changes
 
     mod = importlib.import_module(f"torch_threadsafe_compile.patches.{PATCH_ID}")
     problem = mod.check()

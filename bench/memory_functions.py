@@ -36,12 +36,12 @@ def tables():
         import torch_threadsafe_compile as ttc
         from torch_threadsafe_compile.patches import first_compile
         from torch_threadsafe_compile.patches.first_compile import _calls
-        from torch_threadsafe_compile import _patching
+        from torch_threadsafe_compile import _journal
     except ImportError:
         return {}
     if not ttc.is_patched("first_compile"):
         return {}
-    return dict(first_compile.tables(), thread_stacks=len(_calls.all_stacks), journal=len(_patching._journal_index))
+    return dict(first_compile.tables(), thread_stacks=len(_calls.all_stacks), journal=len(_journal._journal_index))
 
 def make(i):
     ns = {"torch": torch}

@@ -34,7 +34,7 @@ def test_h7_rng_rollback_repeats_other_threads_numbers_and_patch_stops_it() -> N
     restore is kept."""
     p = run_py(r"""
 import json, threading, torch, torch._inductor.cudagraph_trees as cgt
-from torch_threadsafe_compile._patching import Changes
+from torch_threadsafe_compile._journal import Changes
 from torch_threadsafe_compile.patches import cudagraph_rng as mod
 
 def during_recording():
@@ -77,7 +77,7 @@ print("RESULT " + json.dumps(out))
 def test_h7_rng_apply_revert_identity_and_private_part_by_version() -> None:
     p = run_py(r"""
 import json, torch, torch._inductor.cudagraph_trees as cgt
-from torch_threadsafe_compile._patching import Changes
+from torch_threadsafe_compile._journal import Changes
 from torch_threadsafe_compile.patches import cudagraph_rng as mod
 G = torch.cuda.graphs.CUDAGraph
 orig = (cgt.preserve_rng_state, G.__dict__["capture_begin"], G.__dict__["capture_end"])

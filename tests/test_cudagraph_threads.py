@@ -27,7 +27,7 @@ IN_RANGE = Version("2.4") <= TV < Version("2.13")
 PROBE = r"""
 import json, threading, torch, torch._dynamo, torch._dynamo.eval_frame as ef
 import torch._inductor.cudagraph_trees as cgt
-from torch_threadsafe_compile._patching import Changes, is_patched
+from torch_threadsafe_compile._journal import Changes, is_patched
 from torch_threadsafe_compile.patches import cudagraph_trees_per_thread as mod
 
 C = "tree_manager_containers"
@@ -282,7 +282,7 @@ print("RESULT " + json.dumps(out))
 EXIT = r"""
 import threading, torch, torch._dynamo, torch._dynamo.eval_frame
 import torch._inductor.cudagraph_trees as cgt
-from torch_threadsafe_compile._patching import Changes
+from torch_threadsafe_compile._journal import Changes
 from torch_threadsafe_compile.patches import cudagraph_trees_per_thread as mod
 
 mod.apply(Changes(mod.SPEC.id))
@@ -382,7 +382,7 @@ def test_h7_verify_is_stable() -> None:
     p = run_py(r"""
 import torch, torch._dynamo, torch._dynamo.eval_frame
 import torch._inductor.cudagraph_trees as cgt
-from torch_threadsafe_compile._patching import Changes
+from torch_threadsafe_compile._journal import Changes
 from torch_threadsafe_compile.patches import cudagraph_trees_per_thread as mod
 
 mod.apply(Changes(mod.SPEC.id))

@@ -81,7 +81,7 @@ def snapshot():
         "st._new_patcher": st.__dict__.get("_new_patcher"),
         # The thread-local objects that rewritten code reads stay bound after uninstall(): a generator
         # suspended inside rewritten code (another thread's compile session) reads them when it resumes
-        # (_patching.Changes.inject, linger=True). Every other name of ours is gone.
+        # (_journal.Changes.inject, linger=True). Every other name of ours is gone.
         "st.names": sorted(k for k in vars(st) if k.startswith("_ttc") and not k.startswith("_ttc_tls_")),
         "compiler.names": sorted(k for k in vars(torch.compiler) if k.startswith("_ttc") and not k.startswith("_ttc_tls_")),
     }

@@ -116,13 +116,13 @@ def test_optimize_oo_keeps_every_patch() -> None:
 
 
 UNREADABLE_TORCH = """
-import builtins, os, torch_threadsafe_compile._patching as patching
+import builtins, os, torch_threadsafe_compile._rewrite as rewrite
 torch_dir = os.path.dirname(__import__("importlib.util").util.find_spec("torch").origin)
 def _open(path, *a, **k):  # torch's .py files unreadable, as in a stripped or locked-down install
     if str(path).startswith(torch_dir):
         raise PermissionError(13, "Permission denied", str(path))
     return builtins.open(path, *a, **k)
-patching.open = _open
+rewrite.open = _open
 import json, torch, torch._dynamo, torch_threadsafe_compile as ttc
 print("RESULT " + json.dumps({p["id"]: [p["state"], p["reason"], p.get("open")] for p in ttc.status()["patches"]}))
 from torch_threadsafe_compile.__main__ import main

@@ -75,7 +75,7 @@ def is_patched(obj: Any, attr: str | None = None) -> bool:
         from torch_threadsafe_compile._lifecycle import State
 
         return _status.patch_state(obj) is State.APPLIED
-    from torch_threadsafe_compile._patching import is_patched as _is
+    from torch_threadsafe_compile._journal import is_patched as _is
 
     return _is(obj, attr)
 
@@ -83,6 +83,6 @@ def is_patched(obj: Any, attr: str | None = None) -> bool:
 def get_original(obj: Any, attr: str) -> Any:
     """The upstream object behind ``obj.attr`` (itself when not patched); for a function whose code was
     swapped, a copy of the function with its original code."""
-    from torch_threadsafe_compile._patching import get_original as _get
+    from torch_threadsafe_compile._journal import get_original as _get
 
     return _get(obj, attr)

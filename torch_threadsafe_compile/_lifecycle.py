@@ -24,7 +24,7 @@ from enum import Enum
 from typing import Any, Mapping, cast
 
 from torch_threadsafe_compile import _env, _forksafe, _state, _versions
-from torch_threadsafe_compile._patching import Changes, SourceUnavailable, TargetBusy, TargetMismatch
+from torch_threadsafe_compile._journal import Changes, SourceUnavailable, TargetBusy, TargetMismatch
 from torch_threadsafe_compile.registry import SPECS, Patch, PatchSpec
 
 log = logging.getLogger("torch_threadsafe_compile")

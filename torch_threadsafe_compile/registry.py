@@ -6,7 +6,7 @@ It holds specs, not logic (OpenTelemetry-instrumentor style). Each patch lives i
 * ``SPEC``: a :class:`PatchSpec` (hazard id, the torch versions it covers, the upstream issue, the torch
   modules it needs, the patches it must follow);
 * ``check()``: why its target does not look as expected on this torch, or None;
-* ``apply(changes)``: every edit through the :class:`~torch_threadsafe_compile._patching.Changes` journal,
+* ``apply(changes)``: every edit through the :class:`~torch_threadsafe_compile._journal.Changes` journal,
   so that revert is exact;
 * ``verify()``: raises if the patch does not work (then everything it did is reverted);
 * optionally ``report()``: statistics for ``status()``.
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping, Protocol
 
 if TYPE_CHECKING:
-    from torch_threadsafe_compile._patching import Changes
+    from torch_threadsafe_compile._journal import Changes
 
 __all__ = ["PatchSpec", "Patch", "SPECS", "PATCH_MODULES"]
 

@@ -62,7 +62,7 @@ def force_ft_patches(force: int = 1) -> dict[str, str]:
 
         import torch._dynamo.eval_frame  # noqa: F401 - the patches' module
 
-        from torch_threadsafe_compile._patching import Changes
+        from torch_threadsafe_compile._journal import Changes
 
         patch = importlib.import_module(f"torch_threadsafe_compile.patches.{name}")
         reason = patch.check()

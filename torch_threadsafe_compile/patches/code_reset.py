@@ -34,7 +34,7 @@ import sys
 from typing import Any
 
 from torch_threadsafe_compile import _graveyard
-from torch_threadsafe_compile._patching import Changes
+from torch_threadsafe_compile._journal import Changes
 from torch_threadsafe_compile._torch import cache_entry_lister, loaded
 from torch_threadsafe_compile.registry import SPECS
 

@@ -26,7 +26,7 @@ import threading
 from typing import Any, Callable
 
 from torch_threadsafe_compile import _forksafe
-from torch_threadsafe_compile._patching import Changes
+from torch_threadsafe_compile._journal import Changes
 from torch_threadsafe_compile._torch import loaded, present_callables
 from torch_threadsafe_compile.registry import SPECS
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from torch_threadsafe_compile import _env, watchdog
 from torch_threadsafe_compile._compile_lock import InstrumentedRLock
-from torch_threadsafe_compile._patching import Changes
+from torch_threadsafe_compile._journal import Changes
 from torch_threadsafe_compile._torch import loaded
 from torch_threadsafe_compile.registry import SPECS
 

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch_threadsafe_compile._patching import Changes, run_in_thread, thread_local_global
+from torch_threadsafe_compile._journal import Changes, run_in_thread
+from torch_threadsafe_compile._rewrite import thread_local_global
 from torch_threadsafe_compile._torch import loaded
 from torch_threadsafe_compile.registry import SPECS
 

@@ -40,7 +40,7 @@ from contextvars import ContextVar, copy_context
 from threading import get_ident
 from typing import Any
 
-from torch_threadsafe_compile._patching import Changes, run_in_thread
+from torch_threadsafe_compile._journal import Changes, run_in_thread
 from torch_threadsafe_compile._torch import CONFIG_MODULE, config_entries, config_unset, loaded, reset_config_caches, uses_context_vars
 from torch_threadsafe_compile.registry import SPECS
 

@@ -57,7 +57,7 @@ import threading
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
-from torch_threadsafe_compile._patching import Changes
+from torch_threadsafe_compile._journal import Changes
 from torch_threadsafe_compile.registry import SPECS
 
 log = logging.getLogger("torch_threadsafe_compile")

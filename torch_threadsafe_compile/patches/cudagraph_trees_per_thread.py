@@ -83,7 +83,8 @@ import weakref
 from collections import defaultdict
 from typing import Any, Callable
 
-from torch_threadsafe_compile._patching import Changes, route_through, run_in_thread
+from torch_threadsafe_compile._journal import Changes, run_in_thread
+from torch_threadsafe_compile._rewrite import route_through
 from torch_threadsafe_compile.registry import SPECS
 
 log = logging.getLogger("torch_threadsafe_compile")

@@ -21,7 +21,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable
 
-from torch_threadsafe_compile._patching import Changes, run_in_thread
+from torch_threadsafe_compile._journal import Changes, run_in_thread
 from torch_threadsafe_compile._torch import CONFIG_MODULE, loaded
 from torch_threadsafe_compile.registry import SPECS
 

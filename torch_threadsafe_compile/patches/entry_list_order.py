@@ -34,7 +34,7 @@ from __future__ import annotations
 import sysconfig
 from typing import Any
 
-from torch_threadsafe_compile._patching import Changes
+from torch_threadsafe_compile._journal import Changes
 from torch_threadsafe_compile._torch import loaded
 from torch_threadsafe_compile.registry import SPECS
 

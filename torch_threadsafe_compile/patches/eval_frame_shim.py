@@ -37,7 +37,7 @@ import sysconfig
 import threading
 from typing import Any
 
-from torch_threadsafe_compile._patching import Changes
+from torch_threadsafe_compile._journal import Changes
 from torch_threadsafe_compile._torch import loaded, skip_code
 from torch_threadsafe_compile.registry import SPECS
 

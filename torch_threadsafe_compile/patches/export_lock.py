@@ -21,7 +21,7 @@ import contextlib
 import functools
 from typing import Any, Callable, Iterator
 
-from torch_threadsafe_compile._patching import Changes
+from torch_threadsafe_compile._journal import Changes
 from torch_threadsafe_compile._torch import compile_lock, compile_lock_first, present_callables
 from torch_threadsafe_compile.registry import SPECS
 

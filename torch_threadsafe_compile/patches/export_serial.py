@@ -24,7 +24,7 @@ import threading
 from typing import Any, Callable
 
 from torch_threadsafe_compile import _forksafe
-from torch_threadsafe_compile._patching import Changes, run_in_thread
+from torch_threadsafe_compile._journal import Changes, run_in_thread
 from torch_threadsafe_compile._torch import loaded
 from torch_threadsafe_compile.registry import SPECS
 

@@ -36,7 +36,8 @@ import threading
 from typing import Any, Callable, Iterator
 
 from torch_threadsafe_compile import _forksafe
-from torch_threadsafe_compile._patching import Changes, TargetBusy, run_in_thread, thread_local_global
+from torch_threadsafe_compile._journal import Changes, TargetBusy, run_in_thread
+from torch_threadsafe_compile._rewrite import thread_local_global
 from torch_threadsafe_compile._torch import call_plumbing, compile_lock_first, loaded, skip_code
 from torch_threadsafe_compile.registry import SPECS
 

@@ -18,7 +18,7 @@ How:
 * ``Tracer.trace`` (and so ``symbolic_trace``, ``make_fx``, export) sets the calling thread's flag for the
   duration of the call: it keeps its function object (dynamo wraps that very object with ``disable`` on
   import) and gets the code of a same-signature trampoline that sets the flag and calls a copy of the
-  original (``_patching.scoped_value``; it is too large to recompile cheaply at every ``import torch``).
+  original (``_rewrite.scoped_value``; it is too large to recompile cheaply at every ``import torch``).
   What its original code writes to the module global meanwhile is read by nobody.
 
 The legitimate same-thread error — ``fx.symbolic_trace`` of a module that calls a compiled function — stays.
@@ -29,7 +29,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch_threadsafe_compile._patching import Changes, run_in_thread, scoped_value, thread_local_global
+from torch_threadsafe_compile._journal import Changes, run_in_thread
+from torch_threadsafe_compile._rewrite import scoped_value, thread_local_global
 from torch_threadsafe_compile._torch import loaded
 from torch_threadsafe_compile.registry import SPECS
 

@@ -40,7 +40,7 @@ import threading
 from typing import Any
 
 from torch_threadsafe_compile import _graveyard
-from torch_threadsafe_compile._patching import Changes
+from torch_threadsafe_compile._journal import Changes
 from torch_threadsafe_compile._torch import loaded
 from torch_threadsafe_compile.registry import SPECS
 

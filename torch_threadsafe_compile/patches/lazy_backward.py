@@ -36,7 +36,8 @@ import sys
 from contextvars import ContextVar
 from typing import Any, Callable
 
-from torch_threadsafe_compile._patching import Changes, rewrite_function
+from torch_threadsafe_compile._journal import Changes
+from torch_threadsafe_compile._rewrite import rewrite_function
 from torch_threadsafe_compile._torch import config_entries, config_unset, loaded
 from torch_threadsafe_compile.registry import SPECS
 

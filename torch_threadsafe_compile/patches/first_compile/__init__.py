@@ -33,7 +33,7 @@ import types
 from typing import Any
 
 from torch_threadsafe_compile import _versions
-from torch_threadsafe_compile._patching import Changes
+from torch_threadsafe_compile._journal import Changes
 from torch_threadsafe_compile._torch import cache_entry_lister, loaded, skip_code
 from torch_threadsafe_compile.patches.first_compile import _calls, _flights, _reset
 from torch_threadsafe_compile.patches.first_compile._callback import FrameCallback

@@ -1,0 +1,260 @@
+"""The journal of edits: every change a patch makes to a live object, with the original kept (gevent.monkey style).
+
+Every change a patch makes goes through a :class:`Changes` journal, so that ``revert`` undoes exactly
+what was done, in reverse order, restoring object identity; and so that ``is_patched``/``get_original``
+and ``doctor`` can answer questions about any patched attribute.
+
+The kinds of edit:
+
+* ``setattr`` of an attribute (functions on classes, module attributes), and ``wrap`` with a transparent
+  ``wrapt.FunctionWrapper``;
+* swapping a function's ``__code__``: the function *object* stays the same, so references captured
+  before we ran (closures made by ``torch.compile()``, ``from x import f``, dicts keyed by the function)
+  all see the new behaviour;
+* swapping a module's ``__class__`` for a subclass with properties, so that ``module.flag`` reads and
+  writes from other modules can be redirected to thread-local storage;
+* injecting a name into a module's namespace (what rewritten code reads).
+
+Also here, because every patch and ``_lifecycle`` share them: the exceptions by which an edit or a patch's
+``apply`` says no (:class:`TargetMismatch`, :class:`SourceUnavailable`: skipped with the reason;
+:class:`TargetBusy`: tried again shortly), and :func:`run_in_thread`, the probe of patches' verify steps.
+New code for torch's functions is made in ``_rewrite``.
+"""
+
+from __future__ import annotations
+
+import threading
+import types
+from typing import Any, Callable
+
+_MISSING = object()
+
+# (id(obj), attr) -> (obj, attr, original, replacement, patch_id); for is_patched()/get_original().
+_journal_index: dict[tuple[int, str], tuple[Any, str, Any, Any, str]] = {}
+# (id(namespace), name) of injected names left bound after revert (Changes.inject, linger=True).
+_lingering: set[tuple[int, str]] = set()
+
+
+class TargetMismatch(Exception):
+    """A patch target does not look as expected: the patch is skipped with this reason, never guessed."""
+
+
+class SourceUnavailable(TargetMismatch):
+    """torch's source of a function the patch must rewrite cannot be read (a stripped or locked-down
+    install): the target may be exactly as expected, but the patch cannot prove it, so it stays out."""
+
+
+class TargetBusy(Exception):
+    """The target is in use right now (a trace in progress in another thread): the patch is tried again
+    shortly, not skipped."""
+
+
+def _record(obj: Any, attr: str, original: Any, new: Any, patch_id: str) -> tuple[int, str]:
+    key = (id(obj), attr)
+    _journal_index[key] = (obj, attr, original, new, patch_id)
+    return key
+
+
+class Changes:
+    """The journal of one patch's edits."""
+
+    def __init__(self, patch_id: str) -> None:
+        self.patch_id = patch_id
+        self._undo: list[Callable[[], None]] = []
+        self._checks: list[tuple[str, Callable[[], bool]]] = []
+
+    # -- edits -------------------------------------------------------------------------------
+    def setattr(self, obj: Any, attr: str, new: Any) -> Any:
+        """``setattr(obj, attr, new)``; returns the original. Reads the raw value (no descriptor binding)."""
+        original = raw_get(obj, attr)
+        setattr(obj, attr, new)
+        key = _record(obj, attr, original, new, self.patch_id)
+
+        def undo() -> None:
+            current = raw_get(obj, attr)
+            _journal_index.pop(key, None)
+            if current is not new:
+                # Somebody re-wrapped or replaced our object since (e.g. dynamo wraps functions with
+                # `disable`). Putting our original back would silently drop their change: leave it.
+                raise TargetMismatch(f"{_name(obj)}.{attr} was replaced by another patcher; left in place")
+            if original is _MISSING:
+                try:
+                    delattr(obj, attr)
+                except AttributeError:
+                    pass
+            else:
+                setattr(obj, attr, original)
+
+        self._undo.append(undo)
+        self._checks.append((f"{_name(obj)}.{attr}", lambda: raw_get(obj, attr) is new))
+        return original
+
+    def wrap(self, owner: Any, attr: str, wrapper: Callable[..., Any]) -> Any:
+        """Replace ``owner.attr`` by a ``wrapt.FunctionWrapper`` calling ``wrapper(wrapped, instance, args, kwargs)``.
+
+        wrapt keeps the wrapper transparent (name, signature, ``__wrapped__``, ``inspect``, descriptor binding),
+        which matters for methods that other libraries introspect. Not for hot paths (one extra call layer).
+        """
+        import wrapt
+
+        original = raw_get(owner, attr)
+        if original is _MISSING:
+            raise TargetMismatch(f"{_name(owner)}.{attr} not found")
+        proxy = wrapt.FunctionWrapper(original, wrapper)
+        self.setattr(owner, attr, proxy)
+        return proxy
+
+    def swap_code(self, func: types.FunctionType, new_code: types.CodeType) -> None:
+        if func.__code__.co_freevars != new_code.co_freevars:
+            raise TargetMismatch(f"{func.__qualname__}: closure variables differ, cannot swap its code")
+        original = func.__code__
+        func.__code__ = new_code
+        key = _record(func, "__code__", original, new_code, self.patch_id)
+
+        def undo() -> None:
+            func.__code__ = original
+            _journal_index.pop(key, None)
+
+        self._undo.append(undo)
+        self._checks.append((f"{func.__module__}.{func.__qualname__}.__code__", lambda: func.__code__ is new_code))
+
+    def swap_module_class(self, module: types.ModuleType, properties: dict[str, property]) -> None:
+        """Give ``module`` a subclass of its current class carrying ``properties``."""
+        base = type(module)
+        cls = type(base.__name__, (base,), dict(properties, __ttc_patch__=self.patch_id))
+        module.__class__ = cls
+        keys = [_record(module, name, module.__dict__.get(name, _MISSING), prop, self.patch_id) for name, prop in properties.items()]
+
+        def undo() -> None:
+            for key in keys:
+                _journal_index.pop(key, None)
+            if type(module) is cls:
+                module.__class__ = base
+            else:  # somebody swapped it again on top of us: splice ourselves out of the chain
+                k: type | None = type(module)
+                while k is not None and k.__bases__ and k.__bases__[0] is not cls:
+                    k = k.__bases__[0] if k.__bases__[0] is not object else None
+                if k is not None and k.__bases__ and k.__bases__[0] is cls:
+                    k.__bases__ = (base,) + k.__bases__[1:]
+
+        self._undo.append(undo)
+        self._checks.append((f"{module.__name__}.__class__", lambda: isinstance(module, cls)))
+
+    def inject(self, namespace: dict[str, Any], name: str, value: Any, linger: bool = False) -> None:
+        """Add a private name to a module's namespace (e.g. the thread-local object that rewritten code reads).
+
+        ``linger``: revert leaves the name bound. Rewritten code may still be running after ``uninstall()``
+        (a generator suspended inside it, such as ``_compile_session_context`` in another thread's compile)
+        and reads the name when it resumes: removing it raised ``NameError`` there. A later inject of the
+        same name replaces a lingering value of ours (marked ``_ttc_injected``) instead of refusing.
+        """
+        if name in namespace and not (getattr(namespace[name], "_ttc_injected", False) or (id(namespace), name) in _lingering):
+            raise TargetMismatch(f"{namespace.get('__name__', '?')}.{name} already exists")
+        namespace[name] = value
+        if linger:
+            _lingering.add((id(namespace), name))
+        else:
+            self._undo.append(lambda: namespace.pop(name, None))
+
+    def add_to(self, shared: list[Any], item: Any) -> None:
+        """Put ``item`` into a list that other patches read (``_torch.call_plumbing``); revert takes it out."""
+        shared.append(item)
+
+        def undo() -> None:
+            for i in range(len(shared) - 1, -1, -1):
+                if shared[i] is item:  # identity: code objects compare by value
+                    del shared[i]
+                    break
+
+        self._undo.append(undo)
+
+    def on_revert(self, fn: Callable[[], None]) -> None:
+        self._undo.append(fn)
+
+    # -- bookkeeping --------------------------------------------------------------------------
+    def revert(self) -> None:
+        errors = []
+        while self._undo:
+            try:
+                self._undo.pop()()
+            except Exception as e:  # keep going: undo as much as we can
+                errors.append(e)
+        self._checks.clear()
+        if errors:
+            raise errors[0]
+
+    def intact(self) -> list[str]:
+        """Names of edits that somebody else has since replaced (re-wrapped, unwrapped, reassigned)."""
+        return [name for name, ok in self._checks if not ok()]
+
+
+def raw_get(obj: Any, attr: str) -> Any:
+    """``obj.attr`` without descriptor binding (``_MISSING`` when absent)."""
+    d = getattr(obj, "__dict__", {})
+    return d[attr] if attr in d else getattr(obj, attr, _MISSING)
+
+
+def _name(obj: Any) -> str:
+    return getattr(obj, "__qualname__", None) or getattr(obj, "__name__", None) or type(obj).__name__
+
+
+def _unwrapped(value: Any) -> Any:
+    seen = 0
+    while hasattr(value, "__wrapped__") and seen < 16:
+        value, seen = value.__wrapped__, seen + 1
+    return value
+
+
+def _entry(obj: Any, attr: str) -> tuple[Any, str, Any, Any, str] | None:
+    """The journal entry behind ``obj.attr``: the attribute itself, or the code of the function it holds
+    (looking through wrappers such as dynamo's ``disable`` and ``functools.wraps``)."""
+    entry = _journal_index.get((id(obj), attr))
+    if entry is not None:
+        return entry
+    value = raw_get(obj, attr)
+    for candidate in (value, getattr(value, "__func__", None), _unwrapped(value)):
+        if candidate is not None and candidate is not _MISSING:
+            entry = _journal_index.get((id(candidate), "__code__"))
+            if entry is not None:
+                return entry
+    return None
+
+
+def is_patched(obj: Any, attr: str) -> bool:
+    return _entry(obj, attr) is not None
+
+
+def get_original(obj: Any, attr: str) -> Any:
+    """What upstream has at ``obj.attr``: the object a patch replaced; for a function whose code was
+    swapped, a copy of that function with its original code; ``obj.attr`` itself when not patched."""
+    entry = _entry(obj, attr)
+    if entry is None:
+        return raw_get(obj, attr)
+    target, what, original, _, _ = entry
+    if what != "__code__":
+        return original
+    copy = types.FunctionType(original, target.__globals__, target.__name__, target.__defaults__, target.__closure__)
+    copy.__kwdefaults__, copy.__qualname__, copy.__module__ = target.__kwdefaults__, target.__qualname__, target.__module__
+    copy.__dict__.update(target.__dict__)
+    return copy
+
+
+def run_in_thread(fn: Callable[[], Any], timeout: float = 10.0) -> Any:
+    """Run ``fn`` in a fresh thread and return its result (used by patches' verify steps)."""
+    box: list[Any] = []
+
+    def target() -> None:
+        try:
+            box.append((True, fn()))
+        except BaseException as e:
+            box.append((False, e))
+
+    t = threading.Thread(target=target, name="ttc-verify", daemon=True)
+    t.start()
+    t.join(timeout)
+    if not box:
+        raise RuntimeError("verification thread did not finish")
+    ok, value = box[0]
+    if not ok:
+        raise value
+    return value
