@@ -78,11 +78,12 @@ def test_no_import_circle() -> None:
 
 
 def test_the_leaf_and_the_floors() -> None:
-    """_state imports nothing of ours; the bootstrap never imports the patches; patches never import each
-    other (shared torch knowledge lives in _torch)."""
+    """_env imports nothing of ours, _activation only _env (both run at every interpreter start); the bootstrap
+    never imports the patches; patches never import each other (shared torch knowledge lives in _torch)."""
     mods = _modules()
     graph = {name: _edges(name, path, set(mods)) for name, path in mods.items()}
-    assert graph[f"{ROOT}._state"] == set()
+    assert graph[f"{ROOT}._env"] == set()
+    assert graph[f"{ROOT}._activation"] == {f"{ROOT}._env"}
     assert not {m for m in graph[f"{ROOT}._bootstrap"] if ".patches" in m}
     for name, deps in graph.items():
         if name.startswith(f"{ROOT}.patches."):

@@ -42,7 +42,7 @@ def _status(p) -> dict:  # noqa: ANN001
 
 def test_plain_start_imports_nothing_heavy() -> None:
     p = run_py("import sys; print(sorted(m for m in ('torch', 'wrapt', 'packaging', 'logging', 'torch_threadsafe_compile.registry') if m in sys.modules)); "
-               "import torch_threadsafe_compile._state as b; print(b.mode)")
+               "import torch_threadsafe_compile._activation as b; print(b.mode())")
     assert p.returncode == 0, p.stderr
     imported, mode = p.stdout.split("\n")[:2]
     assert imported == "[]"
@@ -52,8 +52,8 @@ def test_plain_start_imports_nothing_heavy() -> None:
 
 def test_disabled_start_activates_nothing() -> None:
     p = run_py("import sys; print(sorted(m for m in ('torch', 'wrapt', 'packaging', 'logging', 'torch_threadsafe_compile.registry', "
-               "'torch_threadsafe_compile._lifecycle') if m in sys.modules)); from torch_threadsafe_compile import _state; "
-               "print(_state.mode, _state.inactive_reason); print(any(type(f).__name__ == '_PostImportFinder' for f in sys.meta_path))",
+               "'torch_threadsafe_compile._lifecycle') if m in sys.modules)); from torch_threadsafe_compile import _activation as a; "
+               "print(a.mode(), a.disabled_by()); print(any(type(f).__name__ == '_PostImportFinder' for f in sys.meta_path))",
                env={"TTC_DISABLE": "1"})
     assert p.stdout.split("\n")[:3] == ["[]", "None TTC_DISABLE=1", "False"], p.stdout + p.stderr
 
@@ -146,8 +146,8 @@ def test_double_activation_is_harmless() -> None:
         from torch_threadsafe_compile import _bootstrap
         n = len(sys.meta_path)
         assert _bootstrap.activate('pth') and _bootstrap.activate('sitecustomize')
-        from torch_threadsafe_compile import _state
-        assert len(sys.meta_path) == n and _state.mode == 'pth'
+        from torch_threadsafe_compile import _activation
+        assert len(sys.meta_path) == n and _activation.mode() == 'pth'
         print('ok')
     """)
     assert p.stdout.strip() == "ok", p.stderr

@@ -10,7 +10,7 @@ here may import torch, wrapt, packaging or ``typing`` at module level.
 
 from __future__ import annotations
 
-from torch_threadsafe_compile._state import TTCWarning
+from torch_threadsafe_compile._activation import TTCWarning
 from torch_threadsafe_compile._version import __version__
 
 # `typing` costs ~2.5 ms to import: far more than the whole bootstrap. Annotations here are strings
@@ -29,14 +29,13 @@ def install() -> dict[str, Any]:
     functions compiled before the call keep upstream behaviour for H3 (see ``patches/first_compile``).
     Does nothing when ``TTC_DISABLE`` is set to a true value. Returns :func:`status`.
     """
-    from torch_threadsafe_compile import _bootstrap, _env, _lifecycle, _status
+    from torch_threadsafe_compile import _activation, _bootstrap, _lifecycle, _report
 
-    if not _env.current().disabled:
+    if _activation.disabled_by() is None:
         _lifecycle.reset_for_install()
-        if not _bootstrap.activate("explicit"):
-            return _status.build()
-        _lifecycle.apply_ready()
-    return _status.build()
+        if _bootstrap.activate("explicit"):
+            _lifecycle.apply_ready()
+    return _report.build()
 
 
 def uninstall() -> None:
@@ -55,9 +54,9 @@ def status() -> dict[str, Any]:
     where ``state`` is one of ``pending`` (waits for its torch module to be imported), ``applied``,
     ``skipped``, ``failed``, ``reverted``, ``disabled``.
     """
-    from torch_threadsafe_compile import _status
+    from torch_threadsafe_compile import _report
 
-    return _status.build()
+    return _report.build()
 
 
 def is_patched(obj: Any, attr: str | None = None) -> bool:
@@ -71,10 +70,9 @@ def is_patched(obj: Any, attr: str | None = None) -> bool:
     if attr is None:
         if not isinstance(obj, str):
             raise TypeError("is_patched(patch_id) takes a patch id; for an attribute use is_patched(obj, 'attr')")
-        from torch_threadsafe_compile import _status
-        from torch_threadsafe_compile._lifecycle import State
+        from torch_threadsafe_compile import _lifecycle
 
-        return _status.patch_state(obj) is State.APPLIED
+        return _lifecycle.snapshot(stats=False).patch(obj).state is _lifecycle.State.APPLIED
     from torch_threadsafe_compile._journal import is_patched as _is
 
     return _is(obj, attr)

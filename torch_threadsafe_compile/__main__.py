@@ -38,12 +38,10 @@ def _import_torch(with_targets: bool) -> str | None:
 
 
 def _activation_line(st: dict[str, Any]) -> str:
-    from torch_threadsafe_compile import _env
-
     act = st["activation"]
     if act == "disabled":
-        return f"{act} ({st['inactive_reason'] or 'TTC_DISABLE'})"
-    if act == "not activated" and not _env.current().disabled:
+        return f"{act} ({st['inactive_reason']})"
+    if act == "not activated":
         return (f"{act} — the start-up hook did not run: is the package installed with pip (the .pth file), "
                 "or sitecustomize/ on PYTHONPATH? install() still works")
     return str(act)

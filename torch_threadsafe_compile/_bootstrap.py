@@ -2,8 +2,8 @@
 
 The ``.pth`` file and ``sitecustomize`` call :func:`activate`. It reads ``TTC_*`` and, unless disabled,
 puts a small finder at the front of ``sys.meta_path`` that watches for ``torch`` and the torch
-submodules our patches target. Nothing of ours beyond this file, ``_env`` and ``_state`` is imported until
-torch is: a process that never imports torch pays for three tiny modules and one ``os.environ`` read.
+submodules our patches target. Nothing of ours beyond this file, ``_env`` and ``_activation`` is imported
+until torch is: a process that never imports torch pays for three tiny modules and one ``os.environ`` read.
 
 When a watched module finishes executing, :func:`_on_import` hands over to ``_lifecycle``, which applies
 each patch whose target modules are all loaded. Patches are never applied by importing their targets
@@ -15,10 +15,9 @@ reported as one line on stderr and the program runs on, unpatched.
 
 from __future__ import annotations
 
-import os
 import sys
 
-from torch_threadsafe_compile import _state
+from torch_threadsafe_compile import _activation
 
 TYPE_CHECKING = False  # `typing` is not worth importing at interpreter start; annotations are strings
 if TYPE_CHECKING:
@@ -117,7 +116,7 @@ def _on_import(name: str) -> None:
 
         _lifecycle.on_module_imported(name)
     except Exception as e:  # never break the user's import of torch
-        _state.warn_once(f"not active ({type(e).__name__}: {e}); torch runs unpatched")
+        _activation.warn_once(f"not active ({type(e).__name__}: {e}); torch runs unpatched")
 
 
 _problems_reported = False
@@ -128,23 +127,20 @@ def _report_problems(problems: list[str]) -> None:
     global _problems_reported
     if problems and not _problems_reported:
         _problems_reported = True
-        _state.warn_once("; ".join(problems))
+        _activation.warn_once("; ".join(problems))
 
 
 def activate(how: str) -> bool:
     """Activate for this process. Returns True when active. Never raises."""
     global _finder
     try:
-        if _state.mode is not None:  # a .pth listed twice, or .pth plus sitecustomize
+        if _activation.mode() is not None:  # a .pth listed twice, or .pth plus sitecustomize
             return True
         from torch_threadsafe_compile import _env
 
-        settings = _env.current()
-        _report_problems(settings.problems)
-        if settings.disabled:
-            _state.inactive_reason = "TTC_DISABLE=" + os.environ.get("TTC_DISABLE", "")
+        _report_problems(_env.current().problems)
+        if not _activation.start(how):  # disabled
             return False
-        _state.mode = how
         _finder = _PostImportFinder(WATCHED)
         sys.meta_path.insert(0, _finder)
         if "torch" in sys.modules:
@@ -153,7 +149,7 @@ def activate(how: str) -> bool:
             _on_import("torch")
         return True
     except Exception as e:
-        _state.warn_once(f"not activated ({type(e).__name__}: {e})")
+        _activation.warn_once(f"not activated ({type(e).__name__}: {e})")
         return False
 
 
@@ -166,7 +162,7 @@ def deactivate() -> None:
         except ValueError:
             pass
     _finder = None
-    _state.mode = None
+    _activation.stop()
 
 
 def activate_start() -> None:

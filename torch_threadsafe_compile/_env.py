@@ -13,7 +13,9 @@ TYPE_CHECKING = False  # `typing` is not worth importing at interpreter start; a
 if TYPE_CHECKING:
     from typing import Mapping
 
-__all__ = ["Settings", "read_settings", "current", "is_true"]
+__all__ = ["Settings", "read_settings", "current", "is_true", "DISABLE"]
+
+DISABLE = "TTC_DISABLE"  # the variable that turns the package off (``1``), or some patches (``id,id``)
 
 TRUE_VALUES = frozenset({"1", "true", "yes", "on", "all"})
 FALSE_VALUES = frozenset({"", "0", "false", "no", "off", "none"})
@@ -49,14 +51,21 @@ def is_true(value: str | None) -> bool:
 class Settings:
     """The parsed environment. ``problems`` lists human-readable complaints about bad values."""
 
-    __slots__ = ("disabled", "disabled_patches", "log_level", "watchdog_s", "problems")
+    __slots__ = ("disabled", "disabled_by", "disabled_patches", "log_level", "watchdog_s", "problems")
 
     def __init__(self) -> None:
         self.disabled = False  # TTC_DISABLE=1: nothing is patched, explicit install() included
+        self.disabled_by: str | None = None  # when disabled: the setting that says so ("TTC_DISABLE=1")
         self.disabled_patches: frozenset[str] = frozenset()  # TTC_DISABLE=id,id
         self.log_level: str | None = None  # TTC_LOG; None: leave the logger alone
         self.watchdog_s: float | None = None  # TTC_WATCHDOG seconds; None: off
         self.problems: list[str] = []
+
+    def patch_disabled_by(self, patch_id: str) -> str | None:
+        """The setting that keeps ``patch_id`` out (``"TTC_DISABLE=a,b"``), or None."""
+        if patch_id not in self.disabled_patches:
+            return None
+        return f"{DISABLE}={','.join(sorted(self.disabled_patches))}"
 
     def __repr__(self) -> str:
         return (
@@ -69,10 +78,11 @@ def read_settings(environ: Mapping[str, str] | None = None) -> Settings:
     env = os.environ if environ is None else environ
     s = Settings()
 
-    raw = env.get("TTC_DISABLE", "").strip()
+    raw = env.get(DISABLE, "").strip()
     low = raw.lower()
     if low in TRUE_VALUES:
         s.disabled = True
+        s.disabled_by = f"{DISABLE}={env.get(DISABLE, '')}"
     elif low not in FALSE_VALUES:
         ids = [p.strip().replace("-", "_") for p in low.split(",") if p.strip()]
         if [p for p in ids if not p.replace("_", "").isalnum()]:

@@ -1,4 +1,8 @@
-"""When each patch runs, and the state of every patch in this process.
+"""When each patch runs, and the state of every patch in this process: its one owner.
+
+:func:`snapshot` is how anything else reads that state: an immutable view taken under this module's lock,
+with the activation of the process (``_activation``) and every patch as ``status()`` reports it (``disabled``
+while ``TTC_DISABLE`` is set, the reason a pending patch waits). ``status()`` and ``doctor`` only format it.
 
 Lifecycle of a patch::
 
@@ -23,14 +27,14 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Mapping, cast
 
-from torch_threadsafe_compile import _env, _forksafe, _state, _versions
+from torch_threadsafe_compile import _activation, _env, _forksafe, _versions
 from torch_threadsafe_compile._journal import Changes, SourceUnavailable, TargetBusy, TargetMismatch
 from torch_threadsafe_compile.registry import SPECS, Patch, PatchSpec
 
 log = logging.getLogger("torch_threadsafe_compile")
 
-__all__ = ["State", "Skip", "PatchState", "states", "on_module_imported", "apply_ready", "reset_for_install",
-           "revert_all", "warn"]
+__all__ = ["State", "Skip", "PatchState", "PatchView", "Snapshot", "states", "snapshot", "on_module_imported",
+           "apply_ready", "reset_for_install", "revert_all", "warn"]
 
 
 class State(str, Enum):
@@ -39,7 +43,7 @@ class State(str, Enum):
     SKIPPED = "skipped"  # see Skip
     FAILED = "failed"  # apply or verify raised; reverted
     REVERTED = "reverted"  # uninstall()
-    DISABLED = "disabled"  # TTC_DISABLE=1 (reported by status(); never stored)
+    DISABLED = "disabled"  # TTC_DISABLE=1 (in snapshot(); never stored)
 
 
 class Skip(str, Enum):
@@ -97,7 +101,7 @@ DETAILS = " (details: TTC_LOG=info, or python -m torch_threadsafe_compile doctor
 def warn(msg: str) -> None:
     """One line on stderr for the first problem of the process (never more); every problem in the log."""
     log.info(msg)
-    _state.warn_once(msg + DETAILS)
+    _activation.warn_once(msg + DETAILS)
 
 
 def _say_lost(lost: list[PatchState]) -> None:
@@ -105,7 +109,7 @@ def _say_lost(lost: list[PatchState]) -> None:
     if lost:
         what = "; ".join(f"{ps.spec.id} ({ps.spec.hazard}) {ps.state.value}: {ps.reason}" for ps in lost)
         log.warning("hazards left open: %s", what)
-        _state.warn_line(f"hazards left open, torch runs without these patches: {what}{DETAILS}")
+        _activation.warn_line(f"hazards left open, torch runs without these patches: {what}{DETAILS}")
 
 
 def _configure_logging(level: str | None) -> None:
@@ -151,8 +155,9 @@ def _module_ready(name: str) -> bool:
 
 def _static_skip(spec: PatchSpec, settings: _env.Settings) -> tuple[Skip, str] | None:
     """Why ``spec`` can never apply in this process (decidable as soon as torch is imported), or None."""
-    if spec.id in settings.disabled_patches:
-        return Skip.DISABLED, f"disabled by TTC_DISABLE={','.join(sorted(settings.disabled_patches))}"
+    disabled_by = settings.patch_disabled_by(spec.id)
+    if disabled_by is not None:
+        return Skip.DISABLED, f"disabled by {disabled_by}"
     if spec.free_threaded and not sysconfig.get_config_var("Py_GIL_DISABLED"):
         return Skip.OUT_OF_RANGE, "a GIL build: the hazard needs free-threaded CPython"
     v = _versions.torch_version()
@@ -238,11 +243,9 @@ def _ready(ps: PatchState, table: dict[str, PatchState]) -> bool:
 
 def apply_ready() -> None:
     """Settle every pending patch that can be settled now. Called after each watched import."""
-    if not _module_ready("torch"):
+    if not _module_ready("torch") or _activation.disabled_by() is not None:
         return
     settings = _env.current()
-    if settings.disabled:
-        return
     with _lock:
         table = states()
         for ps in table.values():
@@ -288,3 +291,83 @@ def revert_all() -> None:
                 ps.settle(State.REVERTED, "uninstall()")
             elif ps.state is State.PENDING:
                 ps.settle(State.REVERTED, "uninstall()")
+
+
+# -- reading: one immutable view, taken under the lock --------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PatchView:
+    """One patch as :func:`snapshot` saw it."""
+
+    spec: PatchSpec
+    state: State
+    reason: str
+    # The hazard stays open for a reason other than this torch's version or an upstream fix; None while the
+    # package is disabled (off on purpose: nothing is open).
+    open: bool | None
+    replaced_by_others: tuple[str, ...] = ()  # edits somebody else has since replaced (Changes.intact)
+    stats: Any = None  # an applied patch's report(), when asked for
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """The activation of this process and every patch, in patch order, at one moment."""
+
+    activation: str  # how it was activated ("pth", "sitecustomize", "explicit"), "disabled" or "not activated"
+    inactive_reason: str | None  # why it is off ("TTC_DISABLE=1"), None when not disabled
+    patches: tuple[PatchView, ...]
+
+    def patch(self, patch_id: str) -> PatchView:
+        """One patch's view (``KeyError`` for an unknown id)."""
+        for view in self.patches:
+            if view.spec.id == patch_id:
+                return view
+        raise KeyError(patch_id)
+
+
+def _waits_for(spec: PatchSpec, mode: str | None) -> str:
+    """Why a pending patch that has no reason of its own has not settled yet."""
+    if mode is None:
+        return "not activated: the start-up hook did not run (install() applies it)"
+    if "torch" not in sys.modules:
+        return "waits for torch"
+    missing = [m for m in spec.modules if m not in sys.modules]
+    return ("waits for import of " + ", ".join(missing)) if missing else "waits for " + ", ".join(spec.after)
+
+
+def _stats(ps: PatchState) -> Any:
+    report = getattr(ps.impl, "report", None) if ps.state is State.APPLIED else None  # applied: imported already
+    if report is None:
+        return None
+    try:
+        return report()
+    except Exception as e:  # a report must not break status()
+        return {"error": repr(e)}
+
+
+def _view(ps: PatchState, mode: str | None, stats: bool) -> PatchView:
+    opened = ps.state is State.FAILED or ps.skip in LOST or (ps.state is State.PENDING and mode is None)
+    reason = ps.reason
+    if ps.state is State.PENDING and not reason:
+        reason = _waits_for(ps.spec, mode)
+    replaced = tuple(ps.changes.intact()) if ps.changes is not None else ()
+    return PatchView(ps.spec, ps.state, reason, opened, replaced, _stats(ps) if stats else None)
+
+
+def snapshot(stats: bool = True) -> Snapshot:
+    """Activation and every patch's state, read under the lock (``stats``: with applied patches' reports).
+
+    Only reads: patches settle when their modules are imported (or at install()), never because someone
+    asked (a process where the start-up hook did not run would otherwise be patched by a status() call).
+    """
+    disabled_by = _activation.disabled_by()
+    with _lock:
+        mode = _activation.mode()
+        table = states()
+        if disabled_by is not None:
+            views = tuple(PatchView(ps.spec, State.DISABLED, _env.DISABLE, None) for ps in table.values())
+        else:
+            views = tuple(_view(ps, mode, stats) for ps in table.values())
+    activation = "disabled" if disabled_by is not None else mode or "not activated"
+    return Snapshot(activation, disabled_by, views)

@@ -1,0 +1,49 @@
+"""``status()``: this process as a structured report (versions, activation, every patch).
+
+Only formats :func:`torch_threadsafe_compile._lifecycle.snapshot`: what is active, disabled or waiting, and
+why, is decided there.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from torch_threadsafe_compile import _lifecycle
+from torch_threadsafe_compile._version import __version__
+
+__all__ = ["build"]
+
+
+def _row(view: _lifecycle.PatchView) -> dict[str, Any]:
+    spec = view.spec
+    row: dict[str, Any] = {
+        "id": spec.id,
+        "hazard": spec.hazard,
+        "summary": spec.summary,
+        "upstream": spec.upstream,
+        "torch_versions": spec.torch_versions,
+        "state": view.state.value,
+        "reason": view.reason,
+    }
+    if view.open is None:  # disabled
+        return row
+    row["open"] = view.open
+    if view.replaced_by_others:
+        row["replaced_by_others"] = list(view.replaced_by_others)
+    if view.stats is not None:
+        row["stats"] = view.stats
+    return row
+
+
+def build() -> dict[str, Any]:
+    torch_mod = sys.modules.get("torch")
+    snap = _lifecycle.snapshot()
+    return {
+        "version": __version__,
+        "torch": str(getattr(torch_mod, "__version__", None)) if torch_mod is not None else None,
+        "python": sys.version.split()[0],
+        "activation": snap.activation,
+        "inactive_reason": snap.inactive_reason,
+        "patches": [_row(view) for view in snap.patches],
+    }
