@@ -8,7 +8,7 @@ from conftest import run_py
 
 import importlib
 
-from torch_threadsafe_compile import _bootstrap, _env, _versions, registry
+from torch_threadsafe_compile import _bootstrap, _env, _version_ranges, registry
 from torch_threadsafe_compile.registry import PatchSpec
 
 
@@ -197,12 +197,12 @@ def test_fast_version_check_agrees_with_packaging() -> None:
 
     specs = {s.torch_versions for s in _specs()} | {">=2.14", "<2.14.1,>=2.4", "==2.13.0", "!=2.12.1", ">2.9"}
     for raw in ["2.4.0", "2.4.1", "2.9.1", "2.12.1", "2.13.0", "2.13.0+cpu", "2.14", "2.14.0", "2.14.1", "2.15.0", "2.16.0", "3.0.0"]:
-        v, err = _versions.parse(raw)
+        v, err = _version_ranges.parse(raw)
         assert isinstance(v, tuple) and err is None, raw
         ref = Version(Version(raw).base_version)
         for spec in specs:
-            assert _versions.version_in(v, spec) == SpecifierSet(spec, prereleases=True).contains(ref, prereleases=True), (raw, spec)
+            assert _version_ranges.version_in(v, spec) == SpecifierSet(spec, prereleases=True).contains(ref, prereleases=True), (raw, spec)
     # Pre-releases and dev builds go through packaging.
-    assert _versions.version_in(Version("2.16.0"), ">=2.13") and not _versions.version_in(Version("2.13.0"), "<2.13")
-    assert _versions.parse("2.16.0.dev20261201")[0] == Version("2.16.0")
-    assert _versions.parse("banana")[0] is None and "not a version" in (_versions.parse("banana")[1] or "")
+    assert _version_ranges.version_in(Version("2.16.0"), ">=2.13") and not _version_ranges.version_in(Version("2.13.0"), "<2.13")
+    assert _version_ranges.parse("2.16.0.dev20261201")[0] == Version("2.16.0")
+    assert _version_ranges.parse("banana")[0] is None and "not a version" in (_version_ranges.parse("banana")[1] or "")

@@ -11,7 +11,7 @@ here may import torch, wrapt, packaging or ``typing`` at module level.
 from __future__ import annotations
 
 from torch_threadsafe_compile._activation import TTCWarning
-from torch_threadsafe_compile._version import __version__
+from torch_threadsafe_compile._package_version import __version__
 
 # `typing` costs ~2.5 ms to import: far more than the whole bootstrap. Annotations here are strings
 # (postponed evaluation), so it is only needed by type checkers.

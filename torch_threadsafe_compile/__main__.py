@@ -14,7 +14,7 @@ import json
 import sys
 from typing import Any
 
-from torch_threadsafe_compile._version import __version__
+from torch_threadsafe_compile._package_version import __version__
 
 # Imported by doctor so that every patch can settle (they apply when these are imported).
 TARGET_MODULES = ("torch._dynamo", "torch._functorch.aot_autograd", "torch.export._trace",

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Mapping, cast
 
-from torch_threadsafe_compile import _activation, _env, _forksafe, _versions
+from torch_threadsafe_compile import _activation, _env, _forksafe, _version_ranges
 from torch_threadsafe_compile._journal import Changes, SourceUnavailable, TargetBusy, TargetMismatch
 from torch_threadsafe_compile.registry import SPECS, Patch, PatchSpec
 
@@ -160,13 +160,13 @@ def _static_skip(spec: PatchSpec, settings: _env.Settings) -> tuple[Skip, str] |
         return Skip.DISABLED, f"disabled by {disabled_by}"
     if spec.free_threaded and not sysconfig.get_config_var("Py_GIL_DISABLED"):
         return Skip.OUT_OF_RANGE, "a GIL build: the hazard needs free-threaded CPython"
-    v = _versions.torch_version()
+    v = _version_ranges.torch_version()
     if v is None:
-        return Skip.UNKNOWN_VERSION, _versions.version_error() or "unknown torch version"
-    if spec.fixed_in is not None and _versions.version_in(v, f">={spec.fixed_in}"):
+        return Skip.UNKNOWN_VERSION, _version_ranges.version_error() or "unknown torch version"
+    if spec.fixed_in is not None and _version_ranges.version_in(v, f">={spec.fixed_in}"):
         return Skip.FIXED_UPSTREAM, f"fixed upstream in torch {spec.fixed_in}"
-    if not _versions.version_in(v, spec.torch_versions):
-        return Skip.OUT_OF_RANGE, f"torch {_versions.format_version(v)} is outside {spec.torch_versions} (hazard absent there)"
+    if not _version_ranges.version_in(v, spec.torch_versions):
+        return Skip.OUT_OF_RANGE, f"torch {_version_ranges.format_version(v)} is outside {spec.torch_versions} (hazard absent there)"
     return None
 
 

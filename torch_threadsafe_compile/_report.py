@@ -10,7 +10,7 @@ import sys
 from typing import Any
 
 from torch_threadsafe_compile import _lifecycle
-from torch_threadsafe_compile._version import __version__
+from torch_threadsafe_compile._package_version import __version__
 
 __all__ = ["build"]
 

@@ -264,9 +264,9 @@ def _modules() -> tuple[Any, Any]:
 
 
 def _private_states_needed(torch: Any) -> bool:
-    from torch_threadsafe_compile import _versions
+    from torch_threadsafe_compile import _version_ranges
 
-    v = _versions.torch_version()  # a tuple on the fast path, a packaging Version otherwise
+    v = _version_ranges.torch_version()  # a tuple on the fast path, a packaging Version otherwise
     if v is None:
         return False
     release = v if isinstance(v, tuple) else v.release

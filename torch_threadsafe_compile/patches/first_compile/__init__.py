@@ -32,7 +32,7 @@ import inspect
 import types
 from typing import Any
 
-from torch_threadsafe_compile import _versions
+from torch_threadsafe_compile import _version_ranges
 from torch_threadsafe_compile._journal import Changes
 from torch_threadsafe_compile._torch import cache_entry_lister, loaded, skip_code
 from torch_threadsafe_compile.patches.first_compile import _calls, _flights, _reset
@@ -115,7 +115,7 @@ def apply(changes: Changes) -> dict[str, Any]:
     if can_skip:
         changes.on_revert(gates.restore)
         register = getattr(cf, "register_bytecode_hook", None)
-        version = _versions.torch_version()
+        version = _version_ranges.torch_version()
         if callable(register) and isinstance(version, tuple) and version < (2, 12):
             handle = register(make_hook(skip_code))
             changes.on_revert(handle.remove)

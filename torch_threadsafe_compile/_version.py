@@ -1,3 +1,0 @@
-"""The package's version, in a leaf module (read by setup.cfg, ``status()`` and ``--version``)."""
-
-__version__ = "0.2.0"
