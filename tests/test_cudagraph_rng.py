@@ -260,9 +260,29 @@ ev = threading.Event(); t = threading.Thread(target=ev.wait); t.start()
 out["with_thread"] = threads_started()
 ev.set(); t.join()
 out["after_join"] = threads_started()
+def helper(ev): ev.wait()
+helper.__module__ = "torch._inductor.compile_worker.subproc_pool"  # as inductor's pool reader thread
+ev2 = threading.Event(); t = threading.Thread(target=helper, args=(ev2,), daemon=True); t.start()
+out["library_helper"] = threads_started()
+ev2.set(); t.join()
 print("RESULT " + json.dumps(out))
 """, env={"TTC_DISABLE": "1"}))
-    assert r == {"main_only": False, "dummy_only": False, "with_thread": True, "after_join": False}
+    assert r == {"main_only": False, "dummy_only": False, "with_thread": True, "after_join": False, "library_helper": False}
+
+
+def test_h7_rng_redirect_mode_lets_higher_order_ops_through() -> None:
+    """A higher-order op called in the capturing thread runs (no NotImplementedError from the mode)."""
+    r = _result(run_py(r"""
+import json, torch
+from torch_threadsafe_compile.patches.cudagraph_rng import make_redirect_mode
+Mode = make_redirect_mode(torch)
+stats = {"redirected_ops": 0, "refused_draws": 0}
+x = torch.ones(3)
+with Mode(torch.Generator(), "cuda:0", stats):
+    y = torch.cond(torch.tensor(True), lambda t: t + 1, lambda t: t - 1, (x,))
+print("RESULT " + json.dumps({"y": y.tolist(), "redirected": stats["redirected_ops"]}))
+""", env={"TTC_DISABLE": "1"}))
+    assert r == {"y": [2.0, 2.0, 2.0], "redirected": 0}
 
 
 def test_h7_rng_bench_refuses_without_cuda_in_one_line() -> None:

@@ -82,11 +82,26 @@ class CUDAGraphRandomDrawError(RuntimeError):
     """A CUDA graph captured with a private generator state drew from the default generator (see RULE)."""
 
 
+# Threads that libraries start for their own work and that draw no CUDA random numbers of the program's:
+# inductor's compile-worker pool reader and timer (started by the first inductor compile of any program),
+# tqdm's monitor (transformers), execnet's (pytest-xdist workers). Counting them made every inductor program
+# "threaded" and moved single-threaded programs' graphs off the default generator's stream (measured on the
+# H200: PyTorch's test_cudagraph_trees.py then failed where it compares compiled random ops with eager).
+HELPER_THREAD_MODULES = ("torch.", "tqdm.", "execnet.", "xdist.")
+
+
+def _helper_thread(t: threading.Thread) -> bool:
+    target = getattr(t, "_target", None)
+    module = getattr(target, "__module__", None) or type(t).__module__ or ""
+    return module.startswith(HELPER_THREAD_MODULES)
+
+
 def threads_started() -> bool:
-    """Whether a ``threading`` thread other than the main thread is alive (torch's own threads are not)."""
+    """Whether the program has started a ``threading`` thread besides the main thread (torch's own C++
+    threads are not ``threading`` threads; library helper threads, HELPER_THREAD_MODULES, do not count)."""
     main, dummy = threading.main_thread(), threading._DummyThread  # type: ignore[attr-defined]
     threads = list(threading._active.values())  # type: ignore[attr-defined]  # read only: no dummy is created
-    return any(t is not main and not isinstance(t, dummy) and t.is_alive() for t in threads)
+    return any(t is not main and not isinstance(t, dummy) and t.is_alive() and not _helper_thread(t) for t in threads)
 
 
 def generator_variant(func: Any) -> Any:
@@ -127,6 +142,11 @@ def make_redirect_mode(torch: Any) -> type:
 
     class RedirectRandom(TorchDispatchMode):  # type: ignore[misc, valid-type]
         """In the capturing thread only: random ops on ``device`` without a generator get ``generator``."""
+
+        # Higher-order operators (graphsafe_run_with_rng_state, ...) pass through: they have no schema, run
+        # with this mode popped, and take the generator state they use explicitly. Without this flag a HOP
+        # raised NotImplementedError under the mode (measured: test_cudagraph_trees.py's TestSAC on 2.11).
+        supports_higher_order_operators = True
 
         def __init__(self, generator: Any, device: Any, stats: dict[str, int]) -> None:
             super().__init__()
