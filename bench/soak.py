@@ -74,6 +74,8 @@ def config_from(args: argparse.Namespace) -> harness.SoakConfig:
         import_dynamo_first=args.import_dynamo_first,
         reset_every=args.reset_every,
         config_every=args.config_every,
+        device_rand=args.device_rand,
+        mode=args.mode,
     )
 
 
@@ -87,6 +89,10 @@ def command_line(args: argparse.Namespace, disable: bool) -> str:
         parts.append("--flex")
     if args.device != "cpu":
         parts += ["--device", args.device]
+    if args.device_rand:
+        parts.append("--device-rand")
+    if args.mode:
+        parts += ["--mode", args.mode]
     if args.import_dynamo_first:
         parts.append("--import-dynamo-first")
     if args.reset_every:
@@ -124,6 +130,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--flex", action="store_true", help="add a flex_attention forward function (slow compile on CPU)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu", help="cpu or cuda (inputs and module copies on that device)")
+    p.add_argument("--device-rand", action="store_true",
+                   help="draw every input in the worker threads from the device's default generator "
+                        "(H7: random draws while other threads record CUDA graphs)")
+    p.add_argument("--mode", default=None, help="torch.compile mode, e.g. reduce-overhead (CUDA graphs)")
     p.add_argument("--import-dynamo-first", action="store_true",
                    help="`import torch._dynamo` before the first torch.compile (works around a package bug, see docs)")
     p.add_argument("--reset-every", type=float, default=None, metavar="S",

@@ -81,6 +81,12 @@ class SoakConfig:
     # so the compile counts then say nothing about H3; errors, mismatches and hangs still count.
     reset_every: Optional[float] = None
     config_every: Optional[float] = None
+    # H7's random-number hazard (issue: CUDA graphs while other threads draw): draw every input in the
+    # worker threads from the device's default generator (the process-wide one that a CUDA graph capture
+    # puts into capture mode) instead of a per-thread CPU generator; and the compile mode
+    # ("reduce-overhead": CUDA graphs recorded from many threads). None: torch.compile's default.
+    device_rand: bool = False
+    mode: Optional[str] = None
 
     def effective_deadline(self) -> float:
         """Generous: cold compiles on 2 CPU cores can take minutes in total, but a hang is still a hang."""
@@ -139,6 +145,8 @@ class ThreadState:
 
 def _build_functions(cfg: SoakConfig, torch: Any) -> list[Fn]:
     backend = cfg.backend
+    # Every torch.compile / Module.compile below takes these: the backend, and the mode when one is asked for.
+    ckw: dict[str, Any] = {"backend": backend, **({"mode": cfg.mode} if cfg.mode else {})}
     d = cfg.dim
     shapes = ((4, d), (6, d))
     fns: list[Fn] = []
@@ -171,7 +179,7 @@ def _build_functions(cfg: SoakConfig, torch: Any) -> list[Fn]:
 
             py = _fresh(body, name)
             dyn = kind == "plain_dyn"
-            comp = torch.compile(py, backend=backend, dynamic=dyn)
+            comp = torch.compile(py, **ckw, dynamic=dyn)
 
             def run(ts: ThreadState, x: Any, dt: str, comp: Any = comp, py: Any = py) -> tuple[Any, Any]:
                 with torch.no_grad():
@@ -188,9 +196,9 @@ def _build_functions(cfg: SoakConfig, torch: Any) -> list[Fn]:
                     m.load_state_dict(base_block.state_dict())
                     m = m.to(device=cfg.device, dtype=getattr(torch, dt))
                     if kind == "mod_compile":
-                        ts.models[key] = (torch.compile(m, backend=backend, dynamic=False), m)
+                        ts.models[key] = (torch.compile(m, **ckw, dynamic=False), m)
                     else:
-                        m.compile(backend=backend, dynamic=False)
+                        m.compile(**ckw, dynamic=False)
                         ts.models[key] = (m, m)
                 compiled, plain = ts.models[key]
                 with torch.no_grad():
@@ -203,7 +211,7 @@ def _build_functions(cfg: SoakConfig, torch: Any) -> list[Fn]:
                 return torch.tanh(x) * 2
 
             inner_py = _fresh(inner_body, f"inner_{i}")
-            inner = torch.compile(inner_py, backend=backend, dynamic=False)
+            inner = torch.compile(inner_py, **ckw, dynamic=False)
             # The outer function calls the *compiled* inner; its eager twin calls the plain inner.
             # Source text, not a closure: the name `inner` must resolve in each twin's own globals.
             src = f"def {name}(x):\n    return inner(x) + x.exp()\n"
@@ -217,7 +225,7 @@ def _build_functions(cfg: SoakConfig, torch: Any) -> list[Fn]:
             exec(code, env_c)
             exec(code, env_e)
             outer_c, outer_e = env_c[name], env_e[name]
-            comp = torch.compile(outer_c, backend=backend, dynamic=False)
+            comp = torch.compile(outer_c, **ckw, dynamic=False)
 
             def run(ts: ThreadState, x: Any, dt: str, comp: Any = comp, py: Any = outer_e) -> tuple[Any, Any]:
                 with torch.no_grad():
@@ -240,7 +248,7 @@ def _build_functions(cfg: SoakConfig, torch: Any) -> list[Fn]:
                     return y.cos() + x
 
             py = _fresh(body, name)
-            comp = torch.compile(py, backend=backend, dynamic=False)
+            comp = torch.compile(py, **ckw, dynamic=False)
 
             def run(ts: ThreadState, x: Any, dt: str, comp: Any = comp, py: Any = py) -> tuple[Any, Any]:
                 with torch.no_grad():
@@ -256,7 +264,7 @@ def _build_functions(cfg: SoakConfig, torch: Any) -> list[Fn]:
                     m = cls()
                     m.load_state_dict(base_block.state_dict())
                     m = m.to(device=cfg.device, dtype=getattr(torch, dt))
-                    ts.models[key] = (torch.compile(m, backend=backend, dynamic=False), m, torch.optim.SGD(m.parameters(), lr=1e-3))
+                    ts.models[key] = (torch.compile(m, **ckw, dynamic=False), m, torch.optim.SGD(m.parameters(), lr=1e-3))
                 compiled, plain, opt = ts.models[key]
                 target = torch.ones(x.shape[0], 4, dtype=x.dtype, device=x.device)
                 # Eager first, on the same parameters, then the compiled step that updates them.
@@ -471,7 +479,10 @@ def run_soak(cfg: SoakConfig) -> dict[str, Any]:
             for f, dt, shape, grad in order:
                 if stop.is_set():
                     break
-                x = torch.randn(*shape, generator=gen, dtype=getattr(torch, dt)).to(cfg.device)
+                if cfg.device_rand:
+                    x = torch.randn(*shape, dtype=getattr(torch, dt), device=cfg.device)
+                else:
+                    x = torch.randn(*shape, generator=gen, dtype=getattr(torch, dt)).to(cfg.device)
                 t0 = time.monotonic()
                 try:
                     out_c, out_e = f.run(ts, x, dt)
@@ -582,6 +593,8 @@ def run_soak(cfg: SoakConfig) -> dict[str, Any]:
         result: dict[str, Any] = {
             "torch": torch.__version__,
             "device": cfg.device,
+            "device_rand": cfg.device_rand,
+            "mode": cfg.mode,
             "ttc": _ttc_state(),
             "threads": cfg.threads,
             "functions": len(fns),
