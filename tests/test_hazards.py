@@ -184,6 +184,14 @@ def test_h7_exports_from_two_threads_take_turns() -> None:
     assert on["exports"] > 2
 
 
+def test_h7_compiles_do_not_roll_back_other_threads_random_numbers() -> None:
+    """patch rng_rollback: dynamo sets the generators back after each compile; numbers another thread drew
+    during the compile came out again (unpatched: repeats)."""
+    off, on = pair("compile_rng_rollback", compiles=6)
+    assert off["repeats"] > 0, off
+    assert on["repeats"] == 0 and on["draws"] > 100, on
+
+
 def test_h7_export_does_not_break_other_threads_compiles() -> None:
     """patch export_lock: compiles in other threads while one thread exports in a loop all succeed."""
     off, on = pair("export_vs_compile", unpatched_may_crash=True, seconds=8, compilers=3)

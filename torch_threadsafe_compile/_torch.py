@@ -6,13 +6,14 @@ time, so it only ever sees what the program itself has imported.
 from __future__ import annotations
 
 import sys
+import threading
 import types
 from contextvars import ContextVar
 from typing import Any, Callable, ContextManager
 
 __all__ = [
     "loaded", "present_callables", "compile_lock", "holds_compile_lock", "compile_lock_or_null", "skip_code", "cache_entry_lister",
-    "CONFIG_MODULE", "config_unset", "config_entries", "reset_config_caches",
+    "CONFIG_MODULE", "config_unset", "config_entries", "reset_config_caches", "program_threads_started",
 ]
 
 CONFIG_MODULE = "torch.utils._config_module"
@@ -130,3 +131,29 @@ def reset_config_caches(module: Any) -> None:
 # ``forward`` without running anything of the program's (fx_patcher's dispatcher while another thread's FX
 # trace has ``Module.__call__`` patched). Patches register them here; first_compile treats them as plumbing.
 call_plumbing: list[types.CodeType] = []  # compared by identity (code equality hashes constants)
+
+
+# -- the program's own threads (H7: process-wide random-number state) --------------------------------------
+
+# Threads that libraries start for their own work and that draw none of the program's random numbers:
+# inductor's compile-worker pool reader and timer (started by the first inductor compile of any program),
+# tqdm's monitor (transformers), execnet's (pytest-xdist workers). Counting them made every inductor program
+# "threaded" (measured on the H200: PyTorch's test_cudagraph_trees.py then failed where it compares compiled
+# random ops with eager in one thread).
+HELPER_THREAD_MODULES = ("torch.", "tqdm.", "execnet.", "xdist.")
+
+
+def _helper_thread(t: threading.Thread) -> bool:
+    target = getattr(t, "_target", None)
+    module = getattr(target, "__module__", None) or type(t).__module__ or ""
+    return module.startswith(HELPER_THREAD_MODULES)
+
+
+def program_threads_started() -> bool:
+    """Whether the program has started a ``threading`` thread besides the main thread that is alive: then
+    another thread may draw random numbers at any moment. torch's own C++ threads (autograd workers) are not
+    ``threading`` threads; dummies (foreign threads that asked for ``current_thread()``) and library helper
+    threads (HELPER_THREAD_MODULES) do not count. Reads ``threading._active`` without creating a dummy."""
+    main, dummy = threading.main_thread(), threading._DummyThread  # type: ignore[attr-defined]
+    threads = list(threading._active.values())  # type: ignore[attr-defined]
+    return any(t is not main and not isinstance(t, dummy) and t.is_alive() and not _helper_thread(t) for t in threads)

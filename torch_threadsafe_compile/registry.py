@@ -242,6 +242,15 @@ SPECS: dict[str, PatchSpec] = {
             modules=("torch._inductor.cudagraph_trees",),
             after=("cudagraph_trees_per_thread",),
         ),
+        PatchSpec(
+            id="rng_rollback",
+            hazard="H7",
+            summary="a compile no longer sets the generators back over random numbers that other threads drew meanwhile",
+            upstream="pytorch/pytorch#105943 (PT2 is not thread safe); preserve_global_state / preserve_rng_state "
+                "restore the process-wide generator states after every compile",
+            torch_versions=">=2.4",
+            modules=("torch._dynamo.convert_frame",),
+        ),
     )
 }
 PATCH_MODULES: tuple[str, ...] = tuple(SPECS)

@@ -842,6 +842,33 @@ def concurrent_exports(seconds: float = 5.0, threads: int = 2) -> dict[str, Any]
 
 
 @scenario
+def compile_rng_rollback(compiles: int = 6, backend: str = "aot_eager") -> dict[str, Any]:
+    """H7 (patch rng_rollback): one thread draws ``torch.rand(4)`` without pause while the main thread compiles
+    ``compiles`` small functions. Dynamo sets the process-wide generator back after every compile, so the
+    numbers drawn meanwhile are drawn again: ``repeats`` counts tensors seen twice (unpatched > 0)."""
+    import torch
+
+    seen: dict[tuple[float, ...], int] = {}
+    stop = threading.Event()
+
+    def drawer() -> None:
+        while not stop.is_set():
+            key = tuple(torch.rand(4).tolist())
+            seen[key] = seen.get(key, 0) + 1
+
+    t = threading.Thread(target=drawer)
+    t.start()
+    try:
+        for i in range(compiles):
+            f = torch.compile(lambda x, i=i: (x * (i + 1)).sin() + x.cos(), backend=backend)
+            f(torch.randn(8))
+    finally:
+        stop.set()
+        t.join()
+    return {"draws": sum(seen.values()), "repeats": sum(n - 1 for n in seen.values() if n > 1)}
+
+
+@scenario
 def export_beside_make_fx(seconds: float = 5.0) -> dict[str, Any]:
     """H7: one thread exports in a loop while another traces with ``make_fx``. Upstream keeps the
     pre-dispatch infra modes (an export's proxy and functional modes) in one module global of ``torch._ops``,

@@ -58,6 +58,7 @@ from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
 from torch_threadsafe_compile._journal import Changes
+from torch_threadsafe_compile._torch import program_threads_started as threads_started
 from torch_threadsafe_compile.registry import SPECS
 
 log = logging.getLogger("torch_threadsafe_compile")
@@ -80,28 +81,6 @@ RULE = (
 
 class CUDAGraphRandomDrawError(RuntimeError):
     """A CUDA graph captured with a private generator state drew from the default generator (see RULE)."""
-
-
-# Threads that libraries start for their own work and that draw no CUDA random numbers of the program's:
-# inductor's compile-worker pool reader and timer (started by the first inductor compile of any program),
-# tqdm's monitor (transformers), execnet's (pytest-xdist workers). Counting them made every inductor program
-# "threaded" and moved single-threaded programs' graphs off the default generator's stream (measured on the
-# H200: PyTorch's test_cudagraph_trees.py then failed where it compares compiled random ops with eager).
-HELPER_THREAD_MODULES = ("torch.", "tqdm.", "execnet.", "xdist.")
-
-
-def _helper_thread(t: threading.Thread) -> bool:
-    target = getattr(t, "_target", None)
-    module = getattr(target, "__module__", None) or type(t).__module__ or ""
-    return module.startswith(HELPER_THREAD_MODULES)
-
-
-def threads_started() -> bool:
-    """Whether the program has started a ``threading`` thread besides the main thread (torch's own C++
-    threads are not ``threading`` threads; library helper threads, HELPER_THREAD_MODULES, do not count)."""
-    main, dummy = threading.main_thread(), threading._DummyThread  # type: ignore[attr-defined]
-    threads = list(threading._active.values())  # type: ignore[attr-defined]  # read only: no dummy is created
-    return any(t is not main and not isinstance(t, dummy) and t.is_alive() and not _helper_thread(t) for t in threads)
 
 
 def generator_variant(func: Any) -> Any:
