@@ -329,11 +329,41 @@ def child_server(disabled: bool, workers: int = 8, requests: int = 200, new_toke
     return res
 
 
+def child_server_main(disabled: bool, requests: int = 8, new_tokens: int = 24) -> dict[str, Any]:
+    """Control for ``server``: the same compiled ``generate`` with a static cache, in the main thread only
+    (no thread started): what upstream does with this model, transformers and torch, threads aside."""
+    torch = _setup()
+    try:
+        from transformers import StaticCache
+    except ImportError as e:
+        return {"skipped": f"transformers not importable: {e}", "ok": False}
+    model = _llama(torch)
+    prompts = torch.randint(3, 1024, (4, 16), generator=torch.Generator().manual_seed(1)).cuda()
+    model.forward = torch.compile(model.forward, mode="reduce-overhead")
+    row = _new_row()
+    cache = StaticCache(config=model.config, max_cache_len=prompts.shape[1] + new_tokens + 8)
+    for i in range(requests):
+        try:
+            cache.reset()
+            with torch.no_grad():
+                model.generate(prompts[i % len(prompts)][None], past_key_values=cache, max_new_tokens=new_tokens,
+                               min_new_tokens=new_tokens, do_sample=bool(i % 2), top_k=50 if i % 2 else None,
+                               eos_token_id=None, pad_token_id=0, disable_compile=True)
+            row["calls"] += 1
+        except Exception as e:
+            row["errors"] += 1
+            row["kinds"][_kind(e)] += 1
+    res = {"requests": requests, **_summary([row])}
+    res["ok"] = res["errors"] == 0
+    return res
+
+
 CHILDREN: dict[str, Callable[..., dict[str, Any]]] = {
     "issue": child_issue,
     **{f"layout_{name}": (lambda disabled, name=name, **kw: child_layout(disabled, name, **kw)) for name in LAYOUTS},
     "dropout": child_dropout,
     "server": child_server,
+    "server_main": child_server_main,
 }
 
 
@@ -428,6 +458,7 @@ def plan(a: argparse.Namespace) -> list[dict[str, Any]]:
 
     if "server" in groups:  # longest first
         add("server", a.timeout * 2, workers=a.workers, requests=a.requests)
+        add("server_main", a.timeout)  # the control: the same generate in the main thread, no threads
     if "dropout" in groups:
         add("dropout", a.timeout)
     if "layouts" in groups:
