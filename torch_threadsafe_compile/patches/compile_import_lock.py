@@ -15,7 +15,9 @@ process-wide lock; the first does the imports while the others wait for it holdi
 cycle can form. Afterwards the lock is never taken again: one flag test per call. The wrappers are
 transparent (``functools.wraps``: name, signature, docs, ``__wrapped__``). Limit: threads that import
 torch's internal modules directly (``import torch._inductor.config``) still race as upstream; import those
-before starting threads.
+before starting threads. ``torch._dynamo.export`` is not an entry point here on purpose: reaching it at all
+imports ``torch._dynamo`` (the attribute access does, before any wrapper could run), so its race is that
+import's, under the same limit.
 """
 
 from __future__ import annotations
