@@ -177,7 +177,7 @@ print("RESULT " + json.dumps(dict(redirected=redirected, same=same, default_unto
 
 
 SWITCH = r"""
-import json, sys, threading, torch
+import json, threading, torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 from torch_threadsafe_compile.patches import cudagraph_rng as mod
 
@@ -201,10 +201,8 @@ def new_generator(i):
     g = torch.Generator(); made.append(g); return g
 rt.new_generator = new_generator
 registered = []
-intervals = []
 def begin(graph, *a, **k):  # what CUDAGraph::capture_begin does with the generator: register its current state
     registered.append(default.state)
-    intervals.append(sys.getswitchinterval())
     if k.get("fail"):
         raise RuntimeError("capture_begin failed")
 def end(graph):
@@ -224,8 +222,6 @@ try:
 except RuntimeError as e:
     out["begin_error"] = str(e)
 out["live_after_failed_begin"] = default.state == "live" and _get_current_dispatch_mode() is None
-out["short_interval_inside"] = all(i <= mod.SWITCH_INTERVAL_S for i in intervals)
-out["interval_restored"] = sys.getswitchinterval() == 0.005
 rt.begin(object(), begin, (), {})
 seeds = [g.initial_seed() for g in made]
 out["seeds_distinct"] = len(set(seeds)) == len(seeds) and 7 not in seeds
@@ -244,7 +240,6 @@ def test_h7_rng_switch_around_capture_begin_with_stand_ins() -> None:
     assert r["registered_private"] and r["default_back_to_live"]
     assert r["mode_pushed"] == "RedirectRandom" and r["mode_popped"]
     assert r["begin_error"] == "capture_begin failed" and r["live_after_failed_begin"]
-    assert r["short_interval_inside"] and r["interval_restored"]
     assert r["seeds_distinct"]
     assert r["upstream_when_single"]
     assert r["stats"]["private_captures"] == 2 and r["stats"]["upstream_captures"] == 1

@@ -69,7 +69,6 @@ CGT = SPEC.modules[0]
 PRIVATE_STATE_BEFORE = (2, 12)  # from 2.12 a generator keeps one capture state per capture id
 _NOT_IN_CAPTURE = "not in capture mode"  # upstream's refusal when a capture draws from a state not registered
 _SEED_MASK = (1 << 63) - 1
-SWITCH_INTERVAL_S = 1e-5  # the GIL switch interval while capture_begin runs (see _Runtime.begin)
 
 RULE = (
     "While other threads run, a CUDA graph captured by torch_threadsafe_compile draws random numbers from a "
@@ -212,12 +211,6 @@ class _Runtime:
         private.manual_seed(self.private_seed(default))
         live = default.graphsafe_get_state()  # a generator object sharing the default's state
         with self.swap_lock:
-            # The window in which other threads' draws see `private` ends when this thread has the GIL back
-            # after capture_begin (which releases it). With other threads running Python, taking it back
-            # waited out the switch interval (5 ms by default); a short one for this call makes the holder
-            # hand it over within microseconds (measured on the H200: see docs/hazards.md, H7 limits).
-            interval = sys.getswitchinterval()
-            sys.setswitchinterval(min(interval, SWITCH_INTERVAL_S))
             default.graphsafe_set_state(private)
             try:
                 result = original(graph, *args, **kwargs)  # registers `private`'s state, not the live one
@@ -227,8 +220,6 @@ class _Runtime:
                 except Exception:
                     self.stats["switch_errors"] += 1
                     raise
-                finally:
-                    sys.setswitchinterval(interval)
         if self.mode_class is None:
             self.mode_class = make_redirect_mode(self.torch)
         mode = self.mode_class(private, f"cuda:{index}", self.stats)
