@@ -192,6 +192,14 @@ def test_h7_compiles_do_not_roll_back_other_threads_random_numbers() -> None:
     assert on["repeats"] == 0 and on["draws"] > 100, on
 
 
+def test_h7_first_calls_of_a_shared_lazy_graph_module_generate_working_code() -> None:
+    """patch lazy_recompile: 8 threads' first calls of one _LazyGraphModule generate its code from the shared
+    graph at once; FX swaps the graph's node naming functions meanwhile (unpatched: broken code)."""
+    off, on = pair("lazy_recompile_race", rounds=40, threads=8)
+    assert off["errors"] + off["wrong"] > 0, off
+    assert on["errors"] == 0 and on["wrong"] == 0 and on["calls"] == 320, on
+
+
 def test_h7_export_does_not_break_other_threads_compiles() -> None:
     """patch export_lock: compiles in other threads while one thread exports in a loop all succeed."""
     off, on = pair("export_vs_compile", unpatched_may_crash=True, seconds=8, compilers=3)

@@ -30,6 +30,7 @@ WATCHED = frozenset(
     {
         "torch",
         "torch.fx._symbolic_trace",
+        "torch.fx._lazy_graph_module",
         "torch.compiler",
         "torch.utils._config_module",
         "torch._dynamo",

@@ -32,6 +32,7 @@ KNOWN_PATCHES = frozenset({
     "dynamic_flags", "compile_import_lock", "compile_lock_watchdog", "export_lock",
     "export_serial", "lazy_backward", "cuda_device_guard", "first_compile", "cudagraph_trees_per_thread",
     "cudagraph_rng", "guard_invalidation", "code_reset", "eval_frame_shim", "entry_list_order", "rng_rollback",
+    "lazy_recompile",
 })
 # A bad value is quoted in the warning line up to this many characters (the line stays one line).
 QUOTE_MAX = 40

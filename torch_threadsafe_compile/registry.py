@@ -243,6 +243,15 @@ SPECS: dict[str, PatchSpec] = {
             after=("cudagraph_trees_per_thread",),
         ),
         PatchSpec(
+            id="lazy_recompile",
+            hazard="H7",
+            summary="the first calls of a shared lazily compiled FX GraphModule generate its code one thread at a time",
+            upstream="pytorch/pytorch#105943 (PT2 is not thread safe); Graph.python_code's override_node_repr "
+                "rewrites the shared graph's node repr functions while it generates code",
+            torch_versions=">=2.4",
+            modules=("torch.fx._lazy_graph_module",),
+        ),
+        PatchSpec(
             id="rng_rollback",
             hazard="H7",
             summary="a compile no longer sets the generators back over random numbers that other threads drew meanwhile",

@@ -869,6 +869,52 @@ def compile_rng_rollback(compiles: int = 6, backend: str = "aot_eager") -> dict[
 
 
 @scenario
+def lazy_recompile_race(rounds: int = 40, threads: int = 8, steps: int = 60) -> dict[str, Any]:
+    """H7 (patch lazy_recompile): ``threads`` threads make the first call of one ``_LazyGraphModule`` at the
+    same moment, ``rounds`` times with a fresh module. Each first call generates the module's code from the
+    shared graph; ``override_node_repr`` swaps the graph's node naming functions meanwhile, so concurrent
+    code generation yields code that reads names it never set (unpatched: errors). A 1 µs switch interval
+    makes the threads interleave inside code generation, as they do without the GIL."""
+    import sys
+
+    import torch
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+
+    def f(x: Any) -> Any:
+        for i in range(steps):
+            x = torch.sin(x) + i * torch.cos(x)
+        return x
+
+    x = torch.randn(4)
+    ref = f(x)
+    counts = {"calls": 0, "errors": 0, "wrong": 0}
+    kinds: dict[str, int] = {}
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        for _ in range(rounds):
+            traced = torch.fx.symbolic_trace(f)
+            gm = _LazyGraphModule(traced, traced.graph)
+            bar = threading.Barrier(threads)
+
+            def first_call(gm: Any = gm, bar: Any = bar) -> None:
+                bar.wait()
+                try:
+                    out = gm(x)
+                    counts["calls"] += 1
+                    if not torch.allclose(out, ref):
+                        counts["wrong"] += 1
+                except Exception as e:
+                    counts["errors"] += 1
+                    kinds[type(e).__name__] = kinds.get(type(e).__name__, 0) + 1
+
+            _start_join([threading.Thread(target=first_call) for _ in range(threads)])
+    finally:
+        sys.setswitchinterval(old)
+    return dict(counts, kinds=kinds)
+
+
+@scenario
 def export_beside_make_fx(seconds: float = 5.0) -> dict[str, Any]:
     """H7: one thread exports in a loop while another traces with ``make_fx``. Upstream keeps the
     pre-dispatch infra modes (an export's proxy and functional modes) in one module global of ``torch._ops``,
