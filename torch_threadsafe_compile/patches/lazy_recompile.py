@@ -59,8 +59,9 @@ def _serialized(original: Callable[[Any], None]) -> Callable[[Any], None]:
         if not self._needs_recompile():  # the code exists: upstream's check, no lock
             return
         with _lock:
-            stats["recompiles"] += 1
-            original(self)  # checks again: another thread may have generated it meanwhile
+            if self._needs_recompile():  # another thread may have generated it while this one waited
+                stats["recompiles"] += 1
+                original(self)
 
     return real_recompile
 
