@@ -8,6 +8,8 @@
 #        JOBS     make -j (default: nproc)     NICE  nice level of the build (default 15)
 #
 # Idempotent: an existing free-threaded interpreter under PREFIX is reused, not rebuilt.
+# Exit status 75 (EX_TEMPFAIL) when the Debian archive cannot be reached or serves no source package: the
+# caller may report that as "could not run" rather than as a failure; any other problem exits 1.
 # Only a deb-src line is configured (in a private apt configuration), so no sid binary can be installed; the
 # build dependencies come from the system's own sources. A listed source version can be missing from a mirror
 # while an older one is served, hence the loop over versions. No --enable-optimizations: PGO takes far
@@ -40,7 +42,7 @@ chmod 755 "$work"; mkdir -p "$work/lists/partial" "$work/cache/archives/partial"
 echo 'deb-src http://deb.debian.org/debian sid main' > "$work/sources.list"
 A=(-o Dir::Etc::sourcelist="$work/sources.list" -o Dir::Etc::sourceparts=- -o Dir::State::Lists="$work/lists"
    -o Dir::Cache="$work/cache")
-$SUDO apt-get "${A[@]}" update -qq
+$SUDO apt-get "${A[@]}" update -qq || { echo "the Debian archive (deb-src sid) cannot be reached" >&2; exit 75; }
 
 # 4. Download (apt checks the checksums against the signed index) the first source that is served.
 PYV=
@@ -52,7 +54,7 @@ for v in $PYVERS; do
     echo "source python$v=$ver: not downloadable" >&2
   done
 done
-[ -n "$PYV" ] || { echo "no python source package ($PYVERS) could be downloaded" >&2; exit 1; }
+[ -n "$PYV" ] || { echo "no python source package ($PYVERS) could be downloaded" >&2; exit 75; }
 
 # 5. Configure, build, install.
 tar -xf "$work"/python"$PYV"_*.orig.tar.xz -C "$work"

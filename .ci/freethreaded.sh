@@ -20,7 +20,19 @@ VENV=.venv-ft
 
 # 1. The interpreter (cached between runs).
 stamp "free-threaded interpreter"
-py=${TTC_FT_PYTHON:-$(bash .ci/build-freethreaded-python.sh "$CACHE/py313t" | tail -1)}
+if [ -n "${TTC_FT_PYTHON:-}" ]; then
+    py=$TTC_FT_PYTHON
+else
+    rc=0
+    py=$(bash .ci/build-freethreaded-python.sh "$CACHE/py313t" | tail -1) || rc=$?
+    if [ "$rc" = 75 ]; then
+        # Only when Debian's archive is unreachable or serves no source: the leg cannot run on this machine.
+        # Said loudly and left out; a build that fails, or any test below, fails the leg.
+        echo "== free-threaded leg NOT RUN: no free-threaded interpreter could be fetched (see above)"
+        exit 0
+    fi
+    [ "$rc" = 0 ] || exit "$rc"
+fi
 "$py" -c 'import sys, sysconfig; assert sysconfig.get_config_var("Py_GIL_DISABLED") == 1, "not free-threaded"; print(sys.version)'
 
 # 2. A fresh venv: torch (cp313t wheel) and the package. numpy below 2.4: the newer releases publish no
