@@ -516,6 +516,44 @@ def run_all(files: list[TestFile], python: str, file_timeout: float, test_timeou
     return results, probes
 
 
+def run_completion(files: list[TestFile], python: str, file_timeout: float, test_timeout: float, runs: int,
+                   log_dir: Optional[Path]) -> list[dict]:
+    """``--completion-runs K``: each file K times with the package active only (fresh process each, the
+    thread plan made once with ``TTC_DISABLE=1`` as in the comparison): does the process complete, and with
+    how many tests passed and failed. The question of issue "PyTorch's tests run concurrently": a crash is
+    the one answer the package must never give; the comparison with ``TTC_DISABLE=1`` is the other mode's job."""
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="ttc-upstream-") as tmpdir:
+        tmp = Path(tmpdir)
+        for f in files:
+            plan: Optional[Path] = None
+            if PARALLEL_THREADS > 1:
+                plan, problem = make_plan(python, f, tmp, min(file_timeout, 600))
+                if problem:
+                    log(f"{f.key}: {problem}; the plugin's own verdicts apply")
+                    plan = None
+            for k in range(runs):
+                log(f"{f.key} [active, run {k + 1}/{runs}] ...")
+                r = run_file(python, f, "active", tmp, file_timeout, test_timeout, log_dir=log_dir, plan=plan)
+                log(f"{f.key} [active, run {k + 1}/{runs}] {r.count('passed')} passed, {r.count(*FAILED)} failed, "
+                    f"{r.wall_s:.1f} s{' — ' + r.crashed if r.crashed else ''}")
+                rows.append({"file": f.rel, "run": k + 1, "completed": not r.crashed, "crashed": r.crashed,
+                             "timed_out": r.timed_out, "passed": r.count("passed"), "failed": r.count(*FAILED),
+                             "wall_s": round(r.wall_s, 1)})
+    return rows
+
+
+def render_completion_md(rows: list[dict], probe: dict, threads: int, command: str) -> str:
+    lines = [f"{threads} threads at once, package active; torch {probe.get('torch', '?')}; `{command}`.", "",
+             "| file | runs | completed | passed (per run) | failed (per run) | crashes |", "|---|---|---|---|---|---|"]
+    for file in dict.fromkeys(r["file"] for r in rows):
+        mine = [r for r in rows if r["file"] == file]
+        crashes = "; ".join(r["crashed"] for r in mine if r["crashed"]) or "–"
+        lines.append(f"| `{file}` | {len(mine)} | {sum(r['completed'] for r in mine)} | "
+                     f"{', '.join(str(r['passed']) for r in mine)} | {', '.join(str(r['failed']) for r in mine)} | {crashes} |")
+    return "\n".join(lines) + "\n"
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Reporting
 
@@ -736,6 +774,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--files", action="append", default=[], metavar="GLOB",
                     help="run only files matching (path relative to its root, or SUITE:PATH); repeatable")
     ap.add_argument("--exclude", action="append", default=[], metavar="GLOB", help="leave out matching files")
+    ap.add_argument("--completion-runs", type=int, default=0, metavar="K",
+                    help="instead of the comparison: each file K times with the package active only; does the "
+                         "process complete (with --parallel-threads: the thread plan as in the comparison)")
     ap.add_argument("--timeout", type=float, default=1500, help="seconds for one file in one mode (default 1500)")
     ap.add_argument("--test-timeout", type=float, default=300, help="pytest-timeout per test (default 300)")
     ap.add_argument("--python", default=sys.executable, help="interpreter that runs the tests")
@@ -770,6 +811,22 @@ def main(argv: Optional[list[str]] = None) -> int:
     if not files:
         print("no test file selected", file=sys.stderr)
         return 2
+
+    if args.completion_runs:
+        probe_active = probe(args.python, files[0].root, "active", min(args.timeout, 300))
+        if not is_active(probe_active):
+            print("ERROR: the package is not active in the child (see the probe)", file=sys.stderr)
+            return 2
+        rows = run_completion(files, args.python, args.timeout, args.test_timeout, args.completion_runs, args.log_dir)
+        command = "python bench/upstream_tests.py " + " ".join(argv if argv is not None else sys.argv[1:])
+        table = render_completion_md(rows, probe_active, PARALLEL_THREADS, command)
+        print(table)
+        if args.md:
+            write_md(args.md, table, f"<!-- upstream-completion-{PARALLEL_THREADS}:begin -->",
+                     f"<!-- upstream-completion-{PARALLEL_THREADS}:end -->")
+        if args.json:
+            args.json.write_text(json.dumps({"probe": probe_active, "runs": rows}, indent=1), encoding="utf-8")
+        return 0 if all(r["completed"] for r in rows) else 1
 
     try:
         results, probes = run_all(files, args.python, args.timeout, args.test_timeout, args.rerun, args.log_dir)
