@@ -95,9 +95,14 @@ def fx_flag_leak(compiles: int = 4, callers: int = 3, late: int = 0, backend: st
 
 
 @scenario
-def fx_patcher_leak(seconds: float = 2.0, tracers: int = 2) -> dict[str, Any]:
+def fx_patcher_leak(seconds: float = 2.0, tracers: int = 2, min_traces: int = 12, min_eager: int = 120,
+                    max_seconds: float = 30.0) -> dict[str, Any]:
     """H7 (FX patcher): ``tracers`` threads run fx.symbolic_trace in a loop while another thread runs the same
-    kind of module eagerly; errors and wrong results in either are counted."""
+    kind of module eagerly; errors and wrong results in either are counted.
+
+    Runs ``seconds``, and longer (up to ``max_seconds``) until ``min_traces`` traces and ``min_eager`` eager
+    calls were made: on a busy machine (or with the GIL off, where the threads contend for the cores) a fixed
+    time gave too few of either for the result to mean anything (4 traces in 2.5 s once)."""
     import torch
     import torch.fx
 
@@ -123,6 +128,7 @@ def fx_patcher_leak(seconds: float = 2.0, tracers: int = 2) -> dict[str, Any]:
     stop = threading.Event()
     errors: dict[str, int] = {}
     counts = {"traces": 0, "eager_calls": 0, "wrong": 0}
+    tries = {"eager": 0, "trace": 0}
     lock = threading.Lock()
 
     def note(e: BaseException) -> None:
@@ -133,14 +139,27 @@ def fx_patcher_leak(seconds: float = 2.0, tracers: int = 2) -> dict[str, Any]:
     def tracer() -> None:
         m = M()
         x = torch.randn(2, 8)
-        t_end = time.time() + seconds
+        t0 = time.time()
+
+        def more() -> bool:
+            now = time.time() - t0
+            if now < seconds:
+                return True
+            if errors:  # the hazard showed: nothing more to learn from a longer run
+                return False
+            # Attempts, not successes: unpatched, every eager call may fail, and the run must still end.
+            return now < max_seconds and (tries["trace"] < min_traces or tries["eager"] < min_eager)
+
         try:
-            while time.time() < t_end:
+            while more():
+                with lock:
+                    tries["trace"] += 1
                 try:
                     gm = torch.fx.symbolic_trace(m)
-                    if not torch.allclose(gm(x), m(x)):
-                        counts["wrong"] += 1
-                    counts["traces"] += 1
+                    ok = torch.allclose(gm(x), m(x))
+                    with lock:  # counted under the lock: with the GIL off, += from two threads loses updates
+                        counts["wrong"] += not ok
+                        counts["traces"] += 1
                 except Exception as e:
                     note(e)
         finally:
@@ -152,10 +171,12 @@ def fx_patcher_leak(seconds: float = 2.0, tracers: int = 2) -> dict[str, Any]:
         with torch.no_grad():
             ref = m(x)
             while not stop.is_set():
+                tries["eager"] += 1  # this thread's own counter: no lock needed
                 try:
-                    if not torch.allclose(m(x), ref):
-                        counts["wrong"] += 1
-                    counts["eager_calls"] += 1
+                    ok = torch.allclose(m(x), ref)
+                    with lock:
+                        counts["wrong"] += not ok
+                        counts["eager_calls"] += 1
                 except Exception as e:
                     note(e)
 
