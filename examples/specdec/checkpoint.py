@@ -15,11 +15,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+
+# safetensors is imported where a checkpoint is written or read, not at import: a run with --no-checkpoint
+# does not need it (free-threaded CPython 3.13t has no safetensors wheel: its abi3 wheels do not apply there).
 
 
 def save(path: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, step: int, extra: dict[str, Any]) -> None:
     """Write atomically (temporary directory, then rename) so a crash never leaves a half checkpoint."""
+    from safetensors.torch import save_file
+
     tensors: dict[str, torch.Tensor] = {f"model.{k}": v.detach().cpu().contiguous()
                                         for k, v in model.state_dict().items()}
     sd = opt.state_dict()
@@ -53,6 +57,7 @@ def find(path: Path) -> Path:
 def load(path: Path, model: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
     """Restore weights, optimizer state and RNG in place; returns the step to continue from."""
     from safetensors import safe_open
+    from safetensors.torch import load_file
 
     file = str(path / "checkpoint.safetensors")
     with safe_open(file, framework="pt") as f:
