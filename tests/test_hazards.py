@@ -145,6 +145,27 @@ def test_h3_one_compile_per_guard_set() -> None:
     assert on["graphs"] == 2 and on["errors"] == 0
 
 
+def test_h3_deviation_guard_fail_fn_of_a_served_thread_follows_the_sequential_rule() -> None:
+    """patch first_compile, its deliberate deviation (docs/upstream-tests.md, "Deliberate deviations"): N
+    threads wrap one function with their own ``guard_fail_fn`` and make the same first call at once.
+    Unpatched, every thread compiles an entry of its own, so every thread's ``guard_fail_fn`` sees the later
+    guard failure. Active, one thread compiles and the others are served by that entry, so only its
+    ``guard_fail_fn`` is called: exactly what upstream does when the same calls do not overlap (the rule the
+    package follows; ``test_misc.py``'s ``test_guard_failure_fn`` fails in N threads because of it)."""
+    sequential = scenarios.run("guard_fail_fn_threads", env=OFF, threads=4, concurrent=0)
+    off, on = pair("guard_fail_fn_threads", unpatched_may_crash=True, threads=4, concurrent=1)
+    assert sequential["errors"] == 0 and sequential["called"] == 1, sequential
+    assert on["errors"] == 0, on
+    assert (on["compiles"], on["called"]) == (sequential["compiles"], sequential["called"]), (on, sequential)
+    for _ in range(2):  # unpatched, the threads' first calls must overlap for each to compile its own entry
+        if "crashed" in off or off["compiles"] > sequential["compiles"]:
+            break
+        off = scenarios.run("guard_fail_fn_threads", env=OFF, threads=4, concurrent=1)
+    if "crashed" not in off and off["compiles"] <= sequential["compiles"]:
+        pytest.skip(f"the threads' first calls did not overlap unpatched in 3 runs: {off}")
+    assert "crashed" in off or off["called"] > 1, off
+
+
 @pytest.mark.parametrize(
     "graph_break,closure", [(0, 0), (1, 0), (1, 1)], ids=["plain", "graph-break", "graph-break-closure"]
 )

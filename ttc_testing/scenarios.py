@@ -284,6 +284,53 @@ def guard_sets(threads: int = 6, backend: str = "aot_eager") -> dict[str, Any]:
 
 
 @scenario
+def guard_fail_fn_threads(threads: int = 4, concurrent: int = 1) -> dict[str, Any]:
+    """H3, the deliberate deviation seen in ``test_misc.py``'s ``test_guard_failure_fn`` run in N threads: each
+    thread wraps one shared function with ``torch._dynamo.optimize(..., guard_fail_fn=<its own>)``, calls it
+    with a 2-element tensor, then with a 3-element one (a guard failure, a recompile). Counts compiles and
+    the threads whose ``guard_fail_fn`` was called. ``concurrent=0``: the threads run one after another
+    (what upstream does for calls that do not overlap: the reference the package's rule follows)."""
+    import torch
+    import torch._dynamo
+
+    def fn(x: Any) -> Any:
+        return (x + 1) * 2
+
+    lock = threading.Lock()
+    compiles = [0]
+
+    def backend(gm: Any, example_inputs: Any) -> Any:
+        with lock:
+            compiles[0] += 1
+        return gm.forward
+
+    called = [False] * threads
+    errors: list[str] = []
+    bar = threading.Barrier(threads) if concurrent else None
+
+    def w(i: int) -> None:
+        def mine(failure: Any) -> None:
+            called[i] = True
+
+        opt = torch._dynamo.optimize(backend, nopython=True, guard_fail_fn=mine)(fn)
+        if bar is not None:
+            bar.wait()
+        try:
+            opt(torch.ones(2))
+            opt(torch.ones(3))
+        except Exception as e:
+            errors.append(f"{type(e).__name__}: {str(e)[:80]}")
+
+    if concurrent:
+        _start_join([threading.Thread(target=w, args=(i,)) for i in range(threads)])
+    else:
+        for i in range(threads):
+            _start_join([threading.Thread(target=w, args=(i,))])
+    return {"threads": threads, "compiles": compiles[0], "called": sum(called), "errors": len(errors),
+            "first_error": errors[0] if errors else ""}
+
+
+@scenario
 def lookup_race(threads: int = 16, seconds: float = 6.0, graph_break: int = 0, closure: int = 0, backend: str = "aot_eager") -> dict[str, Any]:
     """H3 (spurious cache misses): every guard set is compiled first, in one thread; then ``threads``
     threads call the function with those same inputs. Any graph compiled after the warm-up is a cache
