@@ -70,7 +70,7 @@ from typing import Iterable, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 OWN_TESTS = ROOT / "bench" / "pytorch_tests" / "test"
-PLUGINS = ROOT / "bench" / "pytest_plugins"  # ttc_parallel_plan (--parallel-threads)
+PLUGINS = ROOT / "bench" / "pytest_plugins"  # ttc_parallel_plan, ttc_torch_compat (--parallel-threads)
 SHARED_TESTS = ROOT.parent / "shared" / "pytorch-tests" / "test"
 MODES = ("active", "disabled")
 FAILED = ("failed", "error")
@@ -350,7 +350,8 @@ def parallel_args(threads: int) -> list[str]:
     """pytest-run-parallel's options: N threads, and THREAD_UNSAFE as its ``thread_unsafe_functions`` (an
     ini line list, given with -o since no configuration file applies)."""
     names = "\n".join(name for name, _ in THREAD_UNSAFE)
-    return ["--parallel-threads", str(threads), "-o", f"thread_unsafe_functions={names}", "-p", "ttc_parallel_plan"]
+    return ["--parallel-threads", str(threads), "-o", f"thread_unsafe_functions={names}", "-p", "ttc_parallel_plan",
+            "-p", "ttc_torch_compat"]
 
 
 def plan_env(env: dict[str, str], plan: Path, mode: str) -> dict[str, str]:
