@@ -29,7 +29,7 @@ def _lacks(pr: Dict[str, Any], res: Dict[str, Any], missing: List[str]) -> Dict[
 
 
 def run_scenario(py: str, row: Row, disable: bool, timeout: float, cwd: str) -> Dict[str, Any]:
-    cmd = [py, "-X", "faulthandler", "-m", "ttc_testing.scenarios", *row.args]
+    cmd = [py, "-X", "faulthandler", "-m", row.module, *row.args]
     pr = run_proc(cmd, child_env(disable, pythonpath=str(ROOT)), timeout, cwd=cwd)
     res = result_line(pr["stdout"])
     if res is None:

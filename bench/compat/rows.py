@@ -1,4 +1,5 @@
-"""What is measured: one row per hazard scenario of ``ttc_testing/scenarios.py``.
+"""What is measured: one row per hazard scenario of ``ttc_testing/scenarios.py`` (and of
+``ttc_testing/crash_scenarios.py`` for the hazards whose unpatched answer is a crash: ``module``).
 
 Each row names the hazard, the scenario and its arguments, the patch that addresses it, and how to read the
 scenario's JSON result: ``bad`` (does the result show the hazard?), ``show`` (the number in the cell),
@@ -28,11 +29,13 @@ class Row:
     needs: Tuple[str, ...]
     control: Optional[Callable[[Result, Result], Optional[str]]] = None
     is_control: bool = field(default=False)
+    module: str = "ttc_testing.scenarios"
 
     @property
     def invocation(self) -> str:
-        """The scenario as run: ``python -m ttc_testing.scenarios <invocation>``."""
-        return " ".join([self.scenario] + [f"{k}={v}" for k, v in self.kwargs.items()])
+        """The scenario as run: ``python -m <module> <invocation>`` (the module named when not the default)."""
+        args = " ".join([self.scenario] + [f"{k}={v}" for k, v in self.kwargs.items()])
+        return args if self.module == "ttc_testing.scenarios" else f"{self.module.rsplit('.', 1)[1]}: {args}"
 
     @property
     def args(self) -> List[str]:
@@ -158,5 +161,23 @@ ROWS: List[Row] = [
     Row("backward_lock_wait", "H4", "a backward on a worker device waits for compile_lock held by another thread "
         "(mechanism of the deadlock, CPU)", "backward_lock_wait", {}, "lazy_backward",
         lambda r: r["backward_blocked"] or not r["grad_ok"], _backward_wait_show, ("backward_blocked",)),
+]
+CRASH = "ttc_testing.crash_scenarios"
+ROWS += [
+    Row("guard_invalidation_race", "H8", "guard trees freed by weakref finalizers while other threads evaluate them "
+        "(8 threads, 12 s; unpatched: a crash)", "guard_invalidation_race", {"threads": 8, "seconds": 12}, "guard_invalidation",
+        lambda r: r["errors"] > 0, lambda r: f"{_n(r['calls'])} calls, {_n(r['errors'])} errors", ("calls", "errors"),
+        module=CRASH),
+    Row("export_beside_calls", "H9", "torch._dynamo.export's reset_code while other threads call the function "
+        "(6 s; unpatched: a crash)", "export_beside_calls", {"seconds": 6}, "code_reset",
+        lambda r: r["errors"] > 0, lambda r: f"{_n(r['calls'])} calls, {_n(r['errors'])} errors", ("calls", "errors"),
+        module=CRASH),
+    Row("compile_rng_rollback", "H7", "compiles set the generators back over another thread's draws (repeated numbers)",
+        "compile_rng_rollback", {"compiles": 6}, "rng_rollback", lambda r: r["repeats"] > 0,
+        lambda r: f"{_n(r['repeats'])} repeats in {_n(r['draws'])} draws", ("repeats", "draws")),
+    Row("lazy_recompile_race", "H7", "first calls of one lazily compiled GraphModule from 8 threads (broken code)",
+        "lazy_recompile_race", {"rounds": 40, "threads": 8}, "lazy_recompile",
+        lambda r: r["errors"] + r["wrong"] > 0, lambda r: f"{_n(r['errors'] + r['wrong'])} failed of {_n(r['calls'])}",
+        ("errors", "wrong", "calls")),
 ]
 ROW_KEYS = [r.key for r in ROWS]
