@@ -484,6 +484,18 @@ def log(msg: str) -> None:
     print(f"[upstream {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
+def file_plan(python: str, f: TestFile, tmp: Path, file_timeout: float) -> Optional[Path]:
+    """With --parallel-threads: the file's thread plan (``make_plan``), or None when its collection pass
+    failed (then the plugin's own verdicts apply in each run)."""
+    if PARALLEL_THREADS <= 1:
+        return None
+    plan, problem = make_plan(python, f, tmp, min(file_timeout, 600))
+    if problem:
+        log(f"{f.key}: {problem}; the plugin's own verdicts apply in each mode")
+        return None
+    return plan
+
+
 def run_all(files: list[TestFile], python: str, file_timeout: float, test_timeout: float, rerun: int,
             log_dir: Optional[Path]) -> tuple[list[FileResult], dict[str, dict]]:
     baselines = {root: read_baseline(root) for root in {f.root for f in files}}
@@ -494,12 +506,7 @@ def run_all(files: list[TestFile], python: str, file_timeout: float, test_timeou
         for i, f in enumerate(files):
             order = MODES if i % 2 == 0 else MODES[::-1]
             runs: dict[str, Run] = {}
-            plan: Optional[Path] = None
-            if PARALLEL_THREADS > 1:
-                plan, problem = make_plan(python, f, tmp, min(file_timeout, 600))
-                if problem:
-                    log(f"{f.key}: {problem}; the plugin's own verdicts apply in each mode")
-                    plan = None
+            plan = file_plan(python, f, tmp, file_timeout)
             for mode in order:
                 log(f"{f.key} [{mode}] ...")
                 runs[mode] = r = run_file(python, f, mode, tmp, file_timeout, test_timeout, log_dir=log_dir, plan=plan)
@@ -521,18 +528,13 @@ def run_completion(files: list[TestFile], python: str, file_timeout: float, test
                    log_dir: Optional[Path]) -> list[dict]:
     """``--completion-runs K``: each file K times with the package active only (fresh process each, the
     thread plan made once with ``TTC_DISABLE=1`` as in the comparison): does the process complete, and with
-    how many tests passed and failed. The question of issue "PyTorch's tests run concurrently": a crash is
-    the one answer the package must never give; the comparison with ``TTC_DISABLE=1`` is the other mode's job."""
+    how many tests passed and failed. A crash is the one answer the package must never give, and a rare one
+    shows only over several runs; which failures are the package's is the comparison's job."""
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="ttc-upstream-") as tmpdir:
         tmp = Path(tmpdir)
         for f in files:
-            plan: Optional[Path] = None
-            if PARALLEL_THREADS > 1:
-                plan, problem = make_plan(python, f, tmp, min(file_timeout, 600))
-                if problem:
-                    log(f"{f.key}: {problem}; the plugin's own verdicts apply")
-                    plan = None
+            plan = file_plan(python, f, tmp, file_timeout)
             for k in range(runs):
                 log(f"{f.key} [active, run {k + 1}/{runs}] ...")
                 r = run_file(python, f, "active", tmp, file_timeout, test_timeout, log_dir=log_dir, plan=plan)
