@@ -47,28 +47,35 @@ def _run_script(args: list[str]) -> subprocess.CompletedProcess[str]:
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
+def _compare(args: list[str], files: list[str], json_path: Path) -> tuple[dict, str, int]:
+    """Run the bench on ``files`` and load its JSON; returns (results, report for assertion messages, the
+    bench's exit status). Fails when the package is not active in the active child."""
+    for f in files:
+        args = [*args, "--files", f]
+    p = _run_script([*args, "--json", str(json_path)])
+    report = p.stdout + "\n" + p.stderr[-3000:]
+    assert json_path.is_file(), f"no results (exit {p.returncode}):\n{report}"
+    data = json.loads(json_path.read_text())
+    act = data["probes"]["active"]
+    assert act.get("imported") and act.get("activation") not in (None, "disabled", "not activated") \
+        and not act.get("inactive_reason"), f"the package is not active in the active child: {act}"
+    return data, report, p.returncode
+
+
 @pytest.mark.slow
 def test_upstream_subset_active_matches_disabled(tmp_path: Path) -> None:
     missing = [m for m in ("pytest_timeout", "expecttest") if importlib.util.find_spec(m) is None]
     assert not missing, f"upstream tests need {missing}: pip install -e '.[test]'"
 
     files = list(OWN_FILES)
-    args = ["--rerun", "0", "--timeout", str(FILE_TIMEOUT_S), "--json", str(tmp_path / "r.json")]
+    args = ["--rerun", "0", "--timeout", str(FILE_TIMEOUT_S)]
     if SHARED.is_dir():
         args += ["--tests-dir", str(SHARED)]
         files += [f for f in SHARED_FILES if (SHARED / f).is_file()]
     else:
         args += ["--no-shared"]
-    for f in files:
-        args += ["--files", f]
-    p = _run_script(args)
-    report = p.stdout + "\n" + p.stderr[-3000:]
-    assert (tmp_path / "r.json").is_file(), f"no results (exit {p.returncode}):\n{report}"
-    data = json.loads((tmp_path / "r.json").read_text())
-
-    act, dis = data["probes"]["active"], data["probes"]["disabled"]
-    assert act.get("imported") and act.get("activation") not in (None, "disabled", "not activated") \
-        and not act.get("inactive_reason"), f"the package is not active in the active child: {act}"
+    data, report, rc = _compare(args, files, tmp_path / "r.json")
+    dis = data["probes"]["disabled"]
     assert "applied" not in (dis.get("patches") or {}).values(), f"patches applied with TTC_DISABLE=1: {dis}"
 
     ran = {r["file"] for r in data["files"]}
@@ -83,7 +90,7 @@ def test_upstream_subset_active_matches_disabled(tmp_path: Path) -> None:
         f"{nid}: {r['runs']['active']['messages'].get(nid, '')}" for r in data["files"] for nid in r["active_only"]
     ]
     assert not active_only, "tests failing only with the package active:\n" + "\n".join(active_only) + "\n\n" + report
-    assert p.returncode == 0, report
+    assert rc == 0, report
 
 
 # N threads at once (docs/upstream-tests.md, "PyTorch's tests, N threads at once"): a file whose unpatched run
@@ -102,15 +109,8 @@ def test_upstream_parallel_subset_completes_active(tmp_path: Path) -> None:
     missing = [m for m in ("pytest_timeout", "expecttest", "pytest_run_parallel") if importlib.util.find_spec(m) is None]
     assert not missing, f"upstream tests need {missing}: pip install -e '.[test]'"
     args = ["--tests-dir", str(SHARED), "--no-own", "--parallel-threads", str(PARALLEL_THREADS), "--rerun", "5",
-            "--timeout", str(FILE_TIMEOUT_S), "--json", str(tmp_path / "r.json")]
-    for f in PARALLEL_FILES:
-        args += ["--files", f]
-    p = _run_script(args)
-    report = p.stdout + "\n" + p.stderr[-3000:]
-    assert (tmp_path / "r.json").is_file(), f"no results (exit {p.returncode}):\n{report}"
-    data = json.loads((tmp_path / "r.json").read_text())
-    act = data["probes"]["active"]
-    assert act.get("imported") and act.get("activation") not in (None, "disabled", "not activated"), act
+            "--timeout", str(FILE_TIMEOUT_S)]
+    data, report, _ = _compare(args, PARALLEL_FILES, tmp_path / "r.json")
     assert {r["file"] for r in data["files"]} == set(PARALLEL_FILES), report
 
     problems = []
