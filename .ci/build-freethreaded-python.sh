@@ -8,8 +8,9 @@
 #        JOBS     make -j (default: nproc)     NICE  nice level of the build (default 15)
 #
 # Idempotent: an existing free-threaded interpreter under PREFIX is reused, not rebuilt.
-# Exit status 75 (EX_TEMPFAIL) when the Debian archive cannot be reached or serves no source package: the
-# caller may report that as "could not run" rather than as a failure; any other problem exits 1.
+# Exit status 75 (EX_TEMPFAIL) when the build dependencies cannot be installed, or the Debian archive cannot be
+# reached or serves no source package: the caller may report that as "could not run" rather than as a
+# failure; any other problem (configure, make, a build that is not free-threaded) exits 1.
 # Only a deb-src line is configured (in a private apt configuration), so no sid binary can be installed; the
 # build dependencies come from the system's own sources. A listed source version can be missing from a mirror
 # while an older one is served, hence the loop over versions. No --enable-optimizations: PGO takes far
@@ -33,7 +34,8 @@ deps="build-essential pkg-config libssl-dev zlib1g-dev libffi-dev libbz2-dev lib
       libreadline-dev uuid-dev libgdbm-dev libgdbm-compat-dev tk-dev libncurses-dev libzstd-dev xz-utils"
 missing=; for p in $deps; do dpkg -s "$p" >/dev/null 2>&1 || missing="$missing $p"; done
 if [ -n "$missing" ]; then
-  $SUDO apt-get update -qq && $SUDO apt-get install -y -qq --no-install-recommends $missing >&2
+  { $SUDO apt-get update -qq && $SUDO apt-get install -y -qq --no-install-recommends $missing >&2; } ||
+    { echo "could not install the build dependencies:$missing" >&2; exit 75; }
 fi
 
 # 3. Private apt configuration (deb-src sid only) in a temporary directory of our own.
