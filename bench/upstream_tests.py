@@ -70,7 +70,9 @@ from typing import Iterable, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 OWN_TESTS = ROOT / "bench" / "pytorch_tests" / "test"
-PLUGINS = ROOT / "bench" / "pytest_plugins"  # ttc_parallel_plan, ttc_torch_compat (--parallel-threads)
+PLUGINS = ROOT / "bench" / "pytest_plugins"  # on every child's PYTHONPATH: ttc_torch_compat, ttc_parallel_plan
+# Loaded in every pytest child (runs and collection passes): the stored test files collect on other releases.
+COMPAT_PLUGIN = ["-p", "ttc_torch_compat"]
 SHARED_TESTS = ROOT.parent / "shared" / "pytorch-tests" / "test"
 MODES = ("active", "disabled")
 FAILED = ("failed", "error")
@@ -224,6 +226,7 @@ def child_env(mode: str) -> dict[str, str]:
     if PYCACHE_PREFIX:
         env["PYTHONPYCACHEPREFIX"] = PYCACHE_PREFIX
     env["TTC_DISABLE"] = "1" if mode == "disabled" else "0"
+    env["PYTHONPATH"] = str(PLUGINS) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     return env
 
 
@@ -350,14 +353,13 @@ def parallel_args(threads: int) -> list[str]:
     """pytest-run-parallel's options: N threads, and THREAD_UNSAFE as its ``thread_unsafe_functions`` (an
     ini line list, given with -o since no configuration file applies)."""
     names = "\n".join(name for name, _ in THREAD_UNSAFE)
-    return ["--parallel-threads", str(threads), "-o", f"thread_unsafe_functions={names}", "-p", "ttc_parallel_plan",
-            "-p", "ttc_torch_compat"]
+    return ["--parallel-threads", str(threads), "-o", f"thread_unsafe_functions={names}", "-p", "ttc_parallel_plan"]
 
 
 def plan_env(env: dict[str, str], plan: Path, mode: str) -> dict[str, str]:
-    """The environment of a --parallel-threads child: the plan plugin importable, its file and mode."""
+    """The environment of a --parallel-threads child: the plan plugin's file and mode (``child_env`` makes
+    the plugin importable)."""
     env = dict(env)
-    env["PYTHONPATH"] = str(PLUGINS) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env["BENCH_PARALLEL_PLAN"] = str(plan)
     env["BENCH_PARALLEL_PLAN_MODE"] = mode
     return env
@@ -367,7 +369,7 @@ def make_plan(python: str, f: "TestFile", tmp: Path, timeout: float) -> tuple[Pa
     """Which tests of ``f`` run in one thread, decided once with TTC_DISABLE=1 (see ttc_parallel_plan)."""
     plan = tmp / f"{f.key.replace('/', '_').replace(':', '_')}.plan.json"
     cmd = [python, "-m", "pytest", f.rel, "-c", os.devnull, "--rootdir", ".", "-p", "no:cacheprovider",
-           "--collect-only", "-q", *parallel_args(PARALLEL_THREADS)]
+           "--collect-only", "-q", *COMPAT_PLUGIN, *parallel_args(PARALLEL_THREADS)]
     rc, text, _, _ = _run(cmd, f.root, plan_env(child_env("disabled"), plan, "write"), timeout)
     if not plan.is_file():
         return plan, f"collection pass failed (rc={rc}): {_tail(text)}"
@@ -381,9 +383,9 @@ def pytest_cmd(python: str, targets: list[str], xml: Path, test_timeout: float) 
     if PARALLEL_THREADS > 1:  # -v: one line per test, so a file that dies still has the results before
         return [python, "-X", "faulthandler", "-m", "pytest", *targets, "-c", os.devnull, "--rootdir", ".",
                 "-p", "no:cacheprovider", "--timeout", str(int(test_timeout)), "-v", "-rfE", f"--junitxml={xml}",
-                *parallel_args(PARALLEL_THREADS)]
+                *COMPAT_PLUGIN, *parallel_args(PARALLEL_THREADS)]
     return [python, "-m", "pytest", *targets, "-c", os.devnull, "--rootdir", ".", "-p", "no:cacheprovider",
-            "--timeout", str(int(test_timeout)), "-q", "-rfE", f"--junitxml={xml}"]
+            "--timeout", str(int(test_timeout)), "-q", "-rfE", f"--junitxml={xml}", *COMPAT_PLUGIN]
 
 
 _VERBOSE_LINE = re.compile(r"^(\S+::\S+) (?:PARALLEL )?(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b")
@@ -815,13 +817,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         print("no test file selected", file=sys.stderr)
         return 2
 
+    command = "python bench/upstream_tests.py " + " ".join(argv if argv is not None else sys.argv[1:])
     if args.completion_runs:
         probe_active = probe(args.python, files[0].root, "active", min(args.timeout, 300))
         if not is_active(probe_active):
             print("ERROR: the package is not active in the child (see the probe)", file=sys.stderr)
             return 2
         rows = run_completion(files, args.python, args.timeout, args.test_timeout, args.completion_runs, args.log_dir)
-        command = "python bench/upstream_tests.py " + " ".join(argv if argv is not None else sys.argv[1:])
         table = render_completion_md(rows, probe_active, PARALLEL_THREADS, command)
         print(table)
         if args.md:
@@ -843,7 +845,6 @@ def main(argv: Optional[list[str]] = None) -> int:
                 if r.runs[mode].crashed:
                     print(f"{r.file} [{mode}]: {r.runs[mode].crashed}")
     if args.md and PARALLEL_THREADS > 1:
-        command = "python bench/upstream_tests.py " + " ".join(argv if argv is not None else sys.argv[1:])
         write_md(args.md, render_parallel_md(results, probes, PARALLEL_THREADS, command),
                  f"<!-- upstream-parallel-{PARALLEL_THREADS}:begin -->", f"<!-- upstream-parallel-{PARALLEL_THREADS}:end -->")
     elif args.md:

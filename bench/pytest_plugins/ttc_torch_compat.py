@@ -5,7 +5,8 @@ The files in the shared test tree import against torch 2.13, whose ``import torc
 ``torch._opaque_base.OpaqueBase`` without importing it. torch 2.15 ships the module but no longer imports it
 with ``torch``, so ``test_fx.py`` fails to collect there, in both modes alike. This plugin imports such
 modules before collection when the running torch has them but did not import them: the test files stay as
-upstream wrote them, and both modes get the same shim. Loaded with ``-p ttc_torch_compat``.
+upstream wrote them, and both modes get the same shim. The bench loads it with ``-p ttc_torch_compat`` in
+every pytest child, one thread or N.
 """
 
 from __future__ import annotations
