@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 Result = Dict[str, Any]
+SCENARIOS = "ttc_testing.scenarios"
+CRASH = "ttc_testing.crash_scenarios"
 
 
 @dataclass(frozen=True)
@@ -29,13 +31,13 @@ class Row:
     needs: Tuple[str, ...]
     control: Optional[Callable[[Result, Result], Optional[str]]] = None
     is_control: bool = field(default=False)
-    module: str = "ttc_testing.scenarios"
+    module: str = SCENARIOS
 
     @property
     def invocation(self) -> str:
         """The scenario as run: ``python -m <module> <invocation>`` (the module named when not the default)."""
         args = " ".join([self.scenario] + [f"{k}={v}" for k, v in self.kwargs.items()])
-        return args if self.module == "ttc_testing.scenarios" else f"{self.module.rsplit('.', 1)[1]}: {args}"
+        return args if self.module == SCENARIOS else f"{self.module.rsplit('.', 1)[1]}: {args}"
 
     @property
     def args(self) -> List[str]:
@@ -102,6 +104,10 @@ def _errors_show(r: Result) -> str:
     return f"{_n(r['errors'])} errors"
 
 
+def _calls_errors_show(r: Result) -> str:
+    return f"{_n(r['calls'])} calls, {_n(r['errors'])} errors"
+
+
 def _guard_sets_show(r: Result) -> str:
     return f"{_n(r['graphs'])} graphs" + (f", {_n(r['errors'])} errors" if r["errors"] else "")
 
@@ -162,16 +168,13 @@ ROWS: List[Row] = [
         "(mechanism of the deadlock, CPU)", "backward_lock_wait", {}, "lazy_backward",
         lambda r: r["backward_blocked"] or not r["grad_ok"], _backward_wait_show, ("backward_blocked",)),
 ]
-CRASH = "ttc_testing.crash_scenarios"
 ROWS += [
     Row("guard_invalidation_race", "H8", "guard trees freed by weakref finalizers while other threads evaluate them "
         "(8 threads, 12 s; unpatched: a crash)", "guard_invalidation_race", {"threads": 8, "seconds": 12}, "guard_invalidation",
-        lambda r: r["errors"] > 0, lambda r: f"{_n(r['calls'])} calls, {_n(r['errors'])} errors", ("calls", "errors"),
-        module=CRASH),
+        lambda r: r["errors"] > 0, _calls_errors_show, ("calls", "errors"), module=CRASH),
     Row("export_beside_calls", "H9", "torch._dynamo.export's reset_code while other threads call the function "
         "(6 s; unpatched: a crash)", "export_beside_calls", {"seconds": 6}, "code_reset",
-        lambda r: r["errors"] > 0, lambda r: f"{_n(r['calls'])} calls, {_n(r['errors'])} errors", ("calls", "errors"),
-        module=CRASH),
+        lambda r: r["errors"] > 0, _calls_errors_show, ("calls", "errors"), module=CRASH),
     Row("compile_rng_rollback", "H7", "compiles set the generators back over another thread's draws (repeated numbers)",
         "compile_rng_rollback", {"compiles": 6}, "rng_rollback", lambda r: r["repeats"] > 0,
         lambda r: f"{_n(r['repeats'])} repeats in {_n(r['draws'])} draws", ("repeats", "draws")),
