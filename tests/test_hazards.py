@@ -41,6 +41,18 @@ def pair(name: str, unpatched_may_crash: bool = False, **kwargs):  # noqa: ANN20
     return off, on
 
 
+def unpatched_until_shown(off: dict, name: str, shown, what: str, **kwargs: object) -> dict:  # noqa: ANN001
+    """For hazards that need a timing: run the unpatched side of ``name`` again, up to 3 runs in all, until
+    ``shown(result)``; skip (nothing to compare) if it never shows. Returns the run that showed it."""
+    for _ in range(2):
+        if shown(off):
+            return off
+        off = scenarios.run(name, env=OFF, **kwargs)
+    if not shown(off):
+        pytest.skip(f"{what} unpatched in 3 runs: {off}")
+    return off
+
+
 # -- H1: fx_tracing_flag ---------------------------------------------------------------------------
 h1_exists = pytest.mark.skipif(TV >= Version("2.14"), reason="H1 fixed upstream in torch 2.14 (thread-local FX flag)")
 
@@ -157,12 +169,9 @@ def test_h3_deviation_guard_fail_fn_of_a_served_thread_follows_the_sequential_ru
     assert sequential["errors"] == 0 and sequential["called"] == 1, sequential
     assert on["errors"] == 0, on
     assert (on["compiles"], on["called"]) == (sequential["compiles"], sequential["called"]), (on, sequential)
-    for _ in range(2):  # unpatched, the threads' first calls must overlap for each to compile its own entry
-        if "crashed" in off or off["compiles"] > sequential["compiles"]:
-            break
-        off = scenarios.run("guard_fail_fn_threads", env=OFF, threads=4, concurrent=1)
-    if "crashed" not in off and off["compiles"] <= sequential["compiles"]:
-        pytest.skip(f"the threads' first calls did not overlap unpatched in 3 runs: {off}")
+    # Unpatched, the threads' first calls must overlap for each to compile its own entry.
+    off = unpatched_until_shown(off, "guard_fail_fn_threads", lambda r: "crashed" in r or r["compiles"] > sequential["compiles"],
+                                "the threads' first calls did not overlap", threads=4, concurrent=1)
     assert "crashed" in off or off["called"] > 1, off
 
 
@@ -213,12 +222,9 @@ def test_h7_compiles_do_not_roll_back_other_threads_random_numbers() -> None:
     """patch rng_rollback: dynamo sets the generators back after each compile; numbers another thread drew
     during the compile came out again (unpatched: repeats)."""
     off, on = pair("compile_rng_rollback", compiles=6)
-    for _ in range(2):  # timing: the drawer must draw during a compile (once, GIL off: 0 repeats in 2.8 M draws)
-        if off["repeats"] > 0:
-            break
-        off = scenarios.run("compile_rng_rollback", env=OFF, compiles=6)
-    if off["repeats"] == 0:
-        pytest.skip(f"the rollback did not show unpatched in 3 runs: {off}")
+    # Timing: the drawer must draw during a compile (once, GIL off: 0 repeats in 2.8 M draws).
+    unpatched_until_shown(off, "compile_rng_rollback", lambda r: r["repeats"] > 0, "the rollback did not show",
+                          compiles=6)
     assert on["repeats"] == 0 and on["draws"] > 100, on
 
 
