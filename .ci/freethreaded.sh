@@ -26,9 +26,10 @@ else
     rc=0
     py=$(bash .ci/build-freethreaded-python.sh "$CACHE/py313t" | tail -1) || rc=$?
     if [ "$rc" = 75 ]; then
-        # Only when Debian's archive is unreachable or serves no source: the leg cannot run on this machine.
-        # Said loudly and left out; a build that fails, or any test below, fails the leg.
-        echo "== free-threaded leg NOT RUN: no free-threaded interpreter could be fetched (see above)"
+        # Only when the machine cannot provide what the build needs (build dependencies not installable,
+        # Debian's archive unreachable, no source served): said loudly and left out; a build that fails, or
+        # any test below, fails the leg.
+        echo "== free-threaded leg NOT RUN: no free-threaded interpreter could be built here (see above)"
         exit 0
     fi
     [ "$rc" = 0 ] || exit "$rc"
