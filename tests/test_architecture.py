@@ -16,7 +16,7 @@ PKG = Path(__file__).resolve().parents[1] / "torch_threadsafe_compile"
 EXAMPLES = PKG.parent / "examples"
 ROOT = "torch_threadsafe_compile"
 MAX_FUNCTION_LINES = 120
-F_LOCALS_ALLOWED = {"patches/first_compile/_cache_probe.py"}
+F_LOCALS_ALLOWED = {"patches/first_compile/_cache_probe.py", "patches/first_compile/_calls.py"}
 
 
 def _modules() -> dict[str, Path]:

@@ -3,15 +3,15 @@
 torch itself is not greenlet-safe (two greenlets compiling at once in one thread mix their fake-tensor modes,
 or crash: measured unpatched), but programs that compile in one greenlet and call the compiled functions
 from many work upstream, also when a greenlet switches inside a compiled call (I/O after a graph break).
-The gate keeps a stack of gated calls per thread (``first_compile/_calls``); greenlets of one thread
-sharing it interleave their pushes and pops.
+The gate's bookkeeping keeps per-thread state (``first_compile/_flights``; on free-threaded builds the list
+of gated calls, ``first_compile/_calls``); greenlets of one thread sharing it would mix their calls'.
+(A gated call's own state is found from the greenlet's frames, which are its own.)
 
 * gevent patched before torch was imported: ``threading.local`` is gevent's greenlet-local when the gate's
   state is built, and nothing more is needed.
 * torch imported first: gevent calls :func:`did_patch_module` (a ``gevent.plugins.monkey.did_patch_module``
   entry point of this package) when it patches ``threading``; the gate's state is built anew on gevent's
-  local, for gates made from then on. Functions compiled before that keep one stack per OS thread; their
-  calls are then not gated for H3's retries (``first_compile``), but never fail.
+  local, for gates made from then on.
 
 Reads ``sys.modules`` only: nothing is imported by gevent's event.
 """

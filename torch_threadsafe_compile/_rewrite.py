@@ -274,12 +274,20 @@ def thread_local_global(
     name: str,
     functions: list[types.FunctionType],
     default: Any = _MISSING_DEFAULT,
+    held_by: list[tuple[types.FunctionType, Callable[..., Any]]] | None = None,
 ) -> ThreadFlag:
     """Make module global ``name`` per-thread.
 
     * readers/writers inside ``module`` (``functions``, small ones) get their code rewritten to use the
       thread-local (:func:`rewrite_global`);
-    * ``module.name`` reads and writes from anywhere else go through a property on the module's class;
+    * ``module.name`` reads and writes from anywhere else go through a property on the module's class
+      (:class:`~torch_threadsafe_compile._journal.ModuleRedirect`): for good, or, with ``held_by``, only
+      while one of those functions runs. ``held_by`` lists every function outside ``module`` that reads or
+      writes ``module.name`` (generator functions, as torch's are context managers), each with a template
+      of its signature that only delegates to ``_ttc_held_<name>`` (:func:`route_through`, e.g.
+      ``return (yield from _ttc_held_is_exporting_flag())``); a patch passes it only where it knows that list complete
+      (its torch versions' sources were read). Elsewhere ``module`` keeps its own class, whose attribute
+      reads CPython specialises (a warm compiled call reads ``torch.compiler``'s several times);
     * every thread starts from ``default``, or else from the value the global has now. A flag that another
       thread holds set while the patch applies (a late ``install()`` during a compile) must not become
       every thread's start value: such patches pass the upstream default.
@@ -303,10 +311,29 @@ def thread_local_global(
     def fset(_mod: types.ModuleType, value: Any, _flag: ThreadFlag = flag) -> None:
         _flag.value = value
 
-    changes.swap_module_class(module, {name: property(fget, fset, doc=f"per-thread {name} (torch-threadsafe-compile)")})
+    prop = property(fget, fset, doc=f"per-thread {name} (torch-threadsafe-compile)")
+    redirect = changes.redirect_module(module, {name: prop}, permanent=not held_by)
+    for func, template in held_by or ():
+        route_through(changes, func, template, f"_ttc_held_{name.strip('_')}", _holding(redirect))
     for f, code in new_codes:
         changes.swap_code(f, code)
     return flag
+
+
+def _holding(redirect: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """``route_through``'s ``around`` for a generator function: the redirect is held while it runs."""
+
+    def around(original: Callable[..., Any]) -> Callable[..., Any]:
+        def held(*args: Any, **kwargs: Any) -> Any:
+            redirect.hold()
+            try:
+                return (yield from original(*args, **kwargs))
+            finally:
+                redirect.release()
+
+        return held
+
+    return around
 
 
 def route_through(

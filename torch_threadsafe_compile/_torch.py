@@ -14,6 +14,7 @@ from typing import Any, Callable, ContextManager
 __all__ = [
     "loaded", "present_callables", "compile_lock", "holds_compile_lock", "compile_lock_or_null", "skip_code", "cache_entry_lister",
     "CONFIG_MODULE", "config_unset", "config_entries", "reset_config_caches", "program_threads_started",
+    "COMPILER_FLAG_USERS_KNOWN", "compiler_flag_users",
 ]
 
 CONFIG_MODULE = "torch.utils._config_module"
@@ -157,3 +158,28 @@ def program_threads_started() -> bool:
     main, dummy = threading.main_thread(), threading._DummyThread  # type: ignore[attr-defined]
     threads = list(threading._active.values())  # type: ignore[attr-defined]
     return any(t is not main and not isinstance(t, dummy) and t.is_alive() and not _helper_thread(t) for t in threads)
+
+
+# -- torch.compiler's flags outside their module ----------------------------------------------------------
+
+# The releases whose sources were read for code outside ``torch.compiler`` that reads or writes
+# ``torch.compiler._is_compiling_flag`` / ``_is_exporting_flag``: 2.11, 2.13 and 2.15 (2.12 and 2.14 lie
+# between with the same code). The writer is ``torch._export.utils._compiling_state_context``, the context
+# of an export; the only other reader, dynamo's tracing of ``is_exporting()`` (``_dynamo/variables/torch.py``),
+# runs inside it when it matters. Outside this range nothing is assumed: the flags stay redirected for good.
+COMPILER_FLAG_USERS_KNOWN = ">=2.11,<2.16"
+
+
+def compiler_flag_users() -> list[types.FunctionType] | None:
+    """The generator function of ``_compiling_state_context`` when it is the only code outside
+    ``torch.compiler`` that uses that module's flags (a release of the range above), else None."""
+    from torch_threadsafe_compile import _version_ranges
+
+    version = _version_ranges.torch_version()
+    if version is None or not _version_ranges.version_in(version, COMPILER_FLAG_USERS_KNOWN):
+        return None
+    utils = sys.modules.get("torch._export.utils")
+    fn = getattr(getattr(utils, "_compiling_state_context", None), "__wrapped__", None)
+    if not isinstance(fn, types.FunctionType) or not fn.__code__.co_flags & 0x20:  # CO_GENERATOR
+        return None
+    return [fn]

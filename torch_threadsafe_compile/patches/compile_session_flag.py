@@ -19,7 +19,7 @@ from typing import Any
 
 from torch_threadsafe_compile._journal import Changes, run_in_thread
 from torch_threadsafe_compile._rewrite import thread_local_global
-from torch_threadsafe_compile._torch import loaded
+from torch_threadsafe_compile._torch import compiler_flag_users, loaded
 from torch_threadsafe_compile.registry import SPECS
 
 SPEC = SPECS["compile_session_flag"]
@@ -29,6 +29,17 @@ FLAG = "_is_compiling_flag"
 
 def _module() -> Any:
     return loaded(SPEC.modules[0])
+
+
+def _state_context_template():  # type: ignore[no-untyped-def]
+    """The code ``torch._export.utils._compiling_state_context`` runs (a generator: a context manager):
+    ``torch.compiler``'s flags redirected while it runs, then upstream's body (``_rewrite._holding``)."""
+    return (yield from _ttc_held_is_compiling_flag())  # type: ignore[name-defined]  # noqa: F821
+
+
+def _held_by() -> list[Any] | None:
+    users = compiler_flag_users()
+    return [(fn, _state_context_template) for fn in users] if users else None
 
 
 def _functions(mod: Any) -> list[Any]:
@@ -54,7 +65,7 @@ def apply(changes: Changes) -> dict[str, Any]:
     # Every thread starts outside a compile (upstream's initial value), also when install() runs while
     # another thread compiles and the global is True for now: that would leave is_compiling() True in every
     # thread for good.
-    thread_local_global(changes, mod, FLAG, _functions(mod), default=False)
+    thread_local_global(changes, mod, FLAG, _functions(mod), default=False, held_by=_held_by())
     return {}
 
 

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch_threadsafe_compile._journal import Changes, run_in_thread
+from torch_threadsafe_compile._journal import Changes, ModuleRedirect, run_in_thread
 from torch_threadsafe_compile._rewrite import thread_local_global
-from torch_threadsafe_compile._torch import loaded
+from torch_threadsafe_compile._torch import compiler_flag_users, loaded
 from torch_threadsafe_compile.registry import SPECS
 
 SPEC = SPECS["export_flag"]
@@ -27,6 +27,17 @@ FLAG = "_is_exporting_flag"
 
 def _module() -> Any:
     return loaded(SPEC.modules[0])
+
+
+def _state_context_template():  # type: ignore[no-untyped-def]
+    """The code ``torch._export.utils._compiling_state_context`` runs (a generator: a context manager):
+    ``torch.compiler``'s flags redirected while it runs, then upstream's body (``_rewrite._holding``)."""
+    return (yield from _ttc_held_is_exporting_flag())  # type: ignore[name-defined]  # noqa: F821
+
+
+def _held_by() -> list[Any] | None:
+    users = compiler_flag_users()
+    return [(fn, _state_context_template) for fn in users] if users else None
 
 
 def check() -> str | None:
@@ -40,17 +51,18 @@ def check() -> str | None:
 
 def apply(changes: Changes) -> dict[str, Any]:
     mod = _module()
-    thread_local_global(changes, mod, FLAG, [mod.is_exporting])
+    thread_local_global(changes, mod, FLAG, [mod.is_exporting], held_by=_held_by())
     return {}
 
 
 def verify() -> None:
     mod = _module()
-    setattr(mod, FLAG, True)  # the way torch/_export/utils.py sets it
-    try:
-        if not mod.is_exporting():
-            raise AssertionError("is_exporting() does not see this thread's flag")
-        if run_in_thread(mod.is_exporting):
-            raise AssertionError("another thread sees this thread's export flag")
-    finally:
-        setattr(mod, FLAG, False)
+    with ModuleRedirect.of(mod):  # as while torch/_export/utils.py's context runs
+        setattr(mod, FLAG, True)  # the way that context sets it
+        try:
+            if not mod.is_exporting():
+                raise AssertionError("is_exporting() does not see this thread's flag")
+            if run_in_thread(mod.is_exporting):
+                raise AssertionError("another thread sees this thread's export flag")
+        finally:
+            setattr(mod, FLAG, False)

@@ -32,19 +32,19 @@ _MODULE_FILE = os.path.join("torch", "nn", "modules", "module.py")
 _MODULE_PLUMBING = ("_call_impl", "_wrapped_call_impl")
 
 
-def first_frame_gate(caller: Any, cw_code: types.CodeType) -> bool:
-    """Whether the frame being compiled (called from ``caller``) is the first real frame of the gated call
-    at the top of this thread's stack of gated calls.
+def first_frame_gate(caller: Any, cw_code: types.CodeType) -> Any:
+    """The gate frame of the gated call whose first real frame is the frame being compiled (called from
+    ``caller``), or None when that frame is not the first frame of a gated call.
 
     Between dynamo's ``compile_wrapper`` and that frame there may only be ``nn.Module``'s call plumbing
     (``torch.compile(module)`` wraps ``module.__call__``; ``module.compile()`` wraps ``_call_impl``) and
     registered plumbing of ours (``_torch.call_plumbing``). A continuation called through its gate is a
-    first frame too. Anything else (a function called from compiled code): False.
+    first frame too. Anything else (a function called from compiled code): None.
     """
     if caller is None:
-        return False
+        return None
     if caller.f_code is RESUME_GATE_CODE:
-        return True
+        return caller
     f = caller
     while f is not None and f.f_code is not cw_code:
         code = f.f_code
@@ -52,9 +52,10 @@ def first_frame_gate(caller: Any, cw_code: types.CodeType) -> bool:
         if not any(code is c for c in call_plumbing) and not (
             code.co_name in _MODULE_PLUMBING and code.co_filename.endswith(_MODULE_FILE)
         ):
-            return False
+            return None
         f = f.f_back
-    return f is not None and f.f_back is not None and f.f_back.f_code is GATE_CODE
+    gate = f.f_back if f is not None else None
+    return gate if gate is not None and gate.f_code is GATE_CODE else None
 
 
 class FrameCallback:
@@ -120,17 +121,21 @@ class FrameCallback:
             del caller
             return self.skip_frame()  # what upstream returns for it: run the frame as it is, this time
         backend = backend_of(callback)  # what dynamo's lookup compares entries against
-        entries = _calls.stack()
         compile_fn = functools.partial(self.compile_frame, callback, frame, args, kwargs, backend)
-        first = bool(entries) and first_frame_gate(caller, self.cw_code)
-        del caller
-        if not first:
-            owner = _calls.innermost_main(entries)
+        gate = first_frame_gate(caller, self.cw_code)
+        if gate is None:
+            owner = _calls.innermost_main(caller)
+            del caller
             return _flights.fly(owner.key if owner else None, owner, compile_fn, compile_lock())
-        call = _calls.state(entries, -1)
-        return self._first_frame(call, entries, frame, backend, compile_fn)
+        del caller
+        call = _calls.state(gate)
+        # A continuation's compile is part of the enclosing torch.compile call's flight.
+        owner = _calls.innermost_main(gate.f_back) if call.resume else call
+        del gate
+        return self._first_frame(call, owner, frame, backend, compile_fn)
 
-    def _first_frame(self, call: GateCall, entries: list[Any], frame: Any, backend: Any, compile_fn: Callable[[], Any]) -> Any:
+    def _first_frame(self, call: GateCall, owner: GateCall | None, frame: Any, backend: Any,
+                     compile_fn: Callable[[], Any]) -> Any:
         code = frame.f_code
         retry = call.may_retry()
         if retry and self.probe.matches(frame, backend):
@@ -141,7 +146,6 @@ class FrameCallback:
             raise Retry()
         t0 = time.perf_counter()
         lock = compile_lock()  # read at call time: compile_lock_watchdog may have wrapped it
-        owner = _calls.innermost_main(entries) if call.resume else call
         flight = owner.flight if owner is not None else None
         if flight is not None:
             flight.queued += 1  # its waiters need not wait for this thread's turn at the lock

@@ -1,15 +1,24 @@
-"""The state of one gated call, kept on a per-thread stack that the gates push and pop.
+"""The state of one gated call, found from the thread's own frames.
 
-Every gate (the wrapper around what ``torch.compile()`` returns, and the gates in front of graph-break
-continuations) pushes one entry when it is called and pops it when it returns, so the stack mirrors the
-gated calls on this thread's Python stack: the frame callback finds the state of the call it works for at
-the top (or, for the enclosing ``torch.compile`` call, the nearest main-gate entry). The warm path pushes a
-constant (the gate's key) and pops it; a :class:`GateCall` object is made only when a callback needs one.
+A gated call is a frame of one of the gates (the wrapper around what ``torch.compile()`` returns, or a
+gate in front of a graph-break continuation) on the calling thread's Python stack. The frame callback,
+which runs in that thread, finds the call it works for by walking back from its caller to the nearest
+gate frame; the call's state (:class:`GateCall`: retries, flight) lives in :data:`live`, keyed by that
+frame, from the callback's first look until the gate returns. A warm call therefore stores nothing: the
+gate tests that :data:`live` is empty on its way out, and that is all (docs/performance.md).
+
+Only ``torch._dynamo.reset()`` needs to see *other* threads' gated calls (``_reset``). With the GIL it walks
+their frames (``sys._current_frames()``, the way ``faulthandler`` and ``traceback`` tools do). On a
+free-threaded build another thread's frames cannot be walked safely while it runs, so there each gate also
+pushes onto a per-thread list of calls in progress (:data:`COUNTED`), which the reset reads instead.
+(A greenlet suspended inside a gated call is not on its thread's stack, so a reset does not wait for it;
+it switched away in Python code, not inside dynamo's lookup, and its frame keeps the code it runs alive.)
 """
 
 from __future__ import annotations
 
 import sys
+import sysconfig
 import threading
 import types
 from typing import Any
@@ -20,6 +29,9 @@ from torch_threadsafe_compile import _forksafe
 # soon as dynamo's lookup sees it; the bound is a safety net for an entry that passes here but that the
 # C lookup would still reject. Spurious misses (see the package docstring) rarely repeat more than twice.
 MAX_RETRIES = 16
+
+# Free-threaded build: the reset cannot walk other threads' frames, so gates count their calls per thread.
+COUNTED = bool(sysconfig.get_config_var("Py_GIL_DISABLED"))
 
 
 class Retry(BaseException):
@@ -42,18 +54,8 @@ def hook_free(module: Any) -> bool:
     return not any(getattr(nn_module, g, None) for g in _GLOBAL_HOOKS)
 
 
-class _Resume:
-    """Marker a continuation gate pushes (its calls have no flight of their own)."""
-
-    def __repr__(self) -> str:
-        return "RESUME"
-
-
-RESUME: Any = _Resume()
-
-
 class ModuleTarget:
-    """What the gate of ``torch.compile(module)`` / ``module.compile()`` pushes: made once per gate."""
+    """The target of ``torch.compile(module)`` / ``module.compile()``'s gate: made once per gate."""
 
     __slots__ = ("key", "module")
 
@@ -65,7 +67,7 @@ class ModuleTarget:
 class GateCall:
     """One gated call in progress: how often it was retried, whether it may be, and its flight."""
 
-    __slots__ = ("key", "resume", "attempt", "retry_ok", "flight")
+    __slots__ = ("key", "resume", "attempt", "retry_ok", "flight", "thread")
 
     def __init__(self, key: types.CodeType | None, resume: bool = False, retry_ok: bool = True) -> None:
         self.key = key  # the code object of the call's first frame (None: not known, no flights)
@@ -73,15 +75,96 @@ class GateCall:
         self.attempt = 0
         self.retry_ok = retry_ok  # False when something (a module hook) already ran before that frame
         self.flight: Any = None  # the Flight this call flies once it compiles something
+        self.thread = threading.get_ident()
 
     def may_retry(self) -> bool:
         return self.retry_ok and self.attempt < MAX_RETRIES
 
 
-# Every thread's stack, by thread ident, so that a reset can see which threads are inside a gated call
-# (``_reset``). A thread registers on its first gated call; entries of finished threads are pruned there.
-all_stacks: dict[int, list[Any]] = {}
+# Gate frame -> the state of its call, for calls the frame callback has looked at. Empty while no call is
+# past a cache miss, so a warm call's only cost here is one truthiness test. Each thread adds and removes
+# its own frames only (one dict operation each: atomic with and without the GIL).
+live: dict[types.FrameType, GateCall] = {}
 
+# The gates' code objects (set by ``_gate``, which defines them): main gates, continuation gates.
+MAIN_CODES: list[types.CodeType] = []
+RESUME_CODES: list[types.CodeType] = []
+
+
+def is_main_gate(code: types.CodeType) -> bool:
+    # Identity, not equality: comparing code objects compares their constants, which can be unhashable.
+    # Loops, not any(...): these run under dynamo's active callback, where a generator is one more frame.
+    for c in MAIN_CODES:  # noqa: SIM110 - see above
+        if code is c:
+            return True
+    return False
+
+
+def is_gate(code: types.CodeType) -> bool:
+    if is_main_gate(code):
+        return True
+    for c in RESUME_CODES:  # noqa: SIM110 - see above
+        if code is c:
+            return True
+    return False
+
+
+def state(frame: types.FrameType) -> GateCall:
+    """The :class:`GateCall` of gate frame ``frame`` (made on first use, from the gate's target)."""
+    call = live.get(frame)
+    if call is not None:
+        return call
+    if not is_main_gate(frame.f_code):
+        call = GateCall(None, resume=True)
+    else:
+        # The gate's own closure value, read from its frame (the one place it is kept, so that a warm call
+        # stores nothing); only here, on a cache miss.
+        target: Any = frame.f_locals.get("target")
+        # A module's call plumbing runs before ``forward``; on its hook-free fast path nothing else does,
+        # so a retry repeats nothing. With forward (pre-)hooks registered they would run twice: no retry.
+        is_module = target.__class__ is ModuleTarget
+        call = GateCall(target.key, retry_ok=hook_free(target.module)) if is_module else GateCall(target)
+    live[frame] = call
+    return call
+
+
+def innermost_main(frame: types.FrameType | None) -> GateCall | None:
+    """The state of the innermost ``torch.compile`` call (not a continuation) at or below ``frame``."""
+    while frame is not None:
+        if is_main_gate(frame.f_code):
+            return state(frame)
+        frame = frame.f_back
+    return None
+
+
+def end(gate_frame: types.FrameType) -> GateCall | None:
+    """The gate of ``gate_frame`` returns: its state, if the callback made one, leaves :data:`live`."""
+    return live.pop(gate_frame, None)
+
+
+def others_inside(me: types.FrameType, waiting: Any) -> bool:
+    """Whether a thread other than the one running ``me`` is inside a gated call (gate frames listed in
+    ``waiting``, which wait at the reset barrier before their call, do not count). GIL builds only: other
+    threads' frames do not change while this walks them."""
+    for top in sys._current_frames().values():
+        f: types.FrameType | None = top
+        mine = False
+        found = False
+        while f is not None:
+            if f is me:
+                mine = True
+                break
+            if not found and is_gate(f.f_code) and f not in waiting:
+                found = True
+            f = f.f_back
+        if found and not mine:
+            return True
+    return False
+
+
+# Free-threaded builds (COUNTED): every thread's list of gated calls in progress, by thread ident. A thread
+# registers on its first gated call; entries of finished threads are pruned by the reset.
+all_stacks: dict[int, list[Any]] = {}
 
 # Guards all_stacks' registrations and prunings (without the GIL a check-then-delete could drop the entry of
 # a new thread that reuses a dead thread's ident). A leaf lock: nothing is taken under it.
@@ -95,33 +178,33 @@ def _stacks_init(self: Any) -> None:
 
 
 def _new_stacks() -> Any:
-    """The per-thread holder of the stacks, built on ``threading.local`` as it is now: gevent's greenlet-local
-    once gevent patched threading (greenlets of one thread must not share a stack: their pushes and pops
-    interleave when one switches inside a compiled call)."""
+    """The per-thread holder of the lists, built on ``threading.local`` as it is now: gevent's greenlet-local
+    once gevent patched threading."""
     return type("_Stacks", (threading.local,), {"__init__": _stacks_init})()
 
 
-# ``stacks.stack``: this thread's stack of gated calls: keys (code objects or None), ModuleTarget, RESUME,
-# or GateCall objects.
+# ``stacks.stack``: this thread's list of gated calls in progress (free-threaded builds only).
 stacks = _new_stacks()
 
 
 def rebind_locals() -> None:
-    """gevent patched threading after this module was imported: gates made from now on keep a stack per
-    greenlet (gates made before keep one per OS thread, and their callers are not gated for H3's retries)."""
+    """gevent patched threading after this module was imported: gates made from now on count per greenlet."""
     global stacks
     stacks = _new_stacks()
 
 
 @_forksafe.in_child
 def _after_fork() -> None:
-    """In a forked child only the forking thread exists: its stack stays (its calls go on there)."""
+    """In a forked child only the forking thread exists: its calls go on, the others' state is dropped."""
     global stacks_lock
     stacks_lock = threading.Lock()  # another thread of the parent may have held it
     me = threading.get_ident()
     for ident in list(all_stacks):
         if ident != me:
             all_stacks.pop(ident, None)
+    for frame, call in list(live.items()):
+        if call.thread != me:
+            live.pop(frame, None)
 
 
 def stack() -> list[Any]:
@@ -129,34 +212,6 @@ def stack() -> list[Any]:
     return entries
 
 
-
-def state(entries: list[Any], index: int) -> GateCall:
-    """The :class:`GateCall` at ``entries[index]``, made from the pushed constant on first use."""
-    entry = entries[index]
-    if entry.__class__ is GateCall:
-        return entry  # type: ignore[no-any-return]
-    if entry is RESUME:
-        call = GateCall(None, resume=True)
-    elif entry.__class__ is ModuleTarget:
-        # The module's call plumbing runs before ``forward``; on its hook-free fast path nothing else does,
-        # so a retry repeats nothing. With forward (pre-)hooks registered they would run twice: no retry.
-        call = GateCall(entry.key, retry_ok=hook_free(entry.module))
-    else:
-        call = GateCall(entry)
-    entries[index] = call
-    return call
-
-
-def innermost_main(entries: list[Any]) -> GateCall | None:
-    """The state of the innermost ``torch.compile`` call (not a continuation) on this thread, if any."""
-    for i in range(len(entries) - 1, -1, -1):
-        entry = entries[i]
-        if entry is RESUME or (entry.__class__ is GateCall and entry.resume):
-            continue
-        return state(entries, i)
-    return None
-
-
 # Code objects that may run under dynamo's active frame callback (a gate called from compiled code):
 # dynamo must run them as they are.
-HELPER_CODES = (_stacks_init.__code__,)
+HELPER_CODES = (_stacks_init.__code__, end.__code__, is_gate.__code__, is_main_gate.__code__)

@@ -3,8 +3,9 @@
 ``torch.compile()`` (every ``_TorchDynamoContext.__call__`` that returns dynamo's ``compile_wrapper``, so
 ``torch.compile(module)``, ``module.compile()``, decorators and torch's own internal compiles) gets a gate
 around the wrapper (``functools.wraps``: same name, signature, ``__wrapped__``, dynamo's attributes). A warm
-call never reaches dynamo's frame callback, so its only cost is the gate's own Python call: push a constant
-on this thread's stack of gated calls, call, pop. A call whose first frame the callback finds in the cache
+call never reaches dynamo's frame callback, so its only cost is the gate's own Python call and three
+tests of module state that is empty or false while nothing compiles or resets (on free-threaded builds
+also a push and a pop: ``_calls``). A call whose first frame the callback finds in the cache
 after all is answered with :class:`Retry`, and the gate calls again; a call that compiled something lands
 its flight when it returns.
 
@@ -20,10 +21,10 @@ import types
 from typing import Any, Callable
 
 from torch_threadsafe_compile.patches.first_compile import _calls, _flights, _reset
-from torch_threadsafe_compile.patches.first_compile._calls import RESUME, ModuleTarget, Retry
+from torch_threadsafe_compile.patches.first_compile._calls import ModuleTarget, Retry
 
 
-def target(compile_wrapper: Callable[..., Any]) -> tuple[types.CodeType | None, Any]:
+def target_of(compile_wrapper: Callable[..., Any]) -> tuple[types.CodeType | None, Any]:
     """``(key, module)``: the code object dynamo's callback sees as the first frame of calls through
     ``compile_wrapper``, and the ``nn.Module`` whose call plumbing runs before it (or None).
 
@@ -53,20 +54,22 @@ def target(compile_wrapper: Callable[..., Any]) -> tuple[types.CodeType | None, 
 
 
 def make_gate(compile_wrapper: Callable[..., Any]) -> Callable[..., Any]:
-    key, module = target(compile_wrapper)
-    # What a call pushes: the key itself, or for a module its (key, module) pair, made once per gate.
-    marker = key if module is None else ModuleTarget(key, module)
+    key, module = target_of(compile_wrapper)
+    # What the frame callback reads from the gate's frame (``_calls.state``): the key, or for a module its
+    # (key, module) pair, made once per gate.
+    target = key if module is None else ModuleTarget(key, module)
     # Bound once: no Python call but the wrapper's own on the warm path (a gate can run under dynamo's active
     # frame callback, inside compiled code, where every Python frame would reach the callback).
-    tls, flights, await_others, land = _calls.stacks, _flights.flights, _flights.await_others, _flights.land
-    barrier = _reset.barrier
+    flights, await_others, land, live, end = _flights.flights, _flights.await_others, _flights.land, _calls.live, _calls.end
+    barrier, counted, tls = _reset.barrier, _calls.COUNTED, _calls.stacks
 
     def ttc_gate(*args: Any, **kwargs: Any) -> Any:
-        entries = tls.stack
-        entries.append(marker)  # first: a reset that closes the barrier after this sees the call (_reset)
-        if barrier.closed and len(entries) == 1:  # a reset is under way: a new call waits for it (bounded)
-            entries.pop()
-            barrier.enter(entries, marker)
+        # Free-threaded builds only: count the call for the reset before looking at its barrier (_reset).
+        inside = tls.stack if counted else None
+        if inside is not None:
+            inside.append(target)
+        if barrier.closed:  # a reset is under way: a new call waits for it (bounded)
+            barrier.enter(inside, target)
         try:
             while True:
                 if flights and key is not None:
@@ -76,9 +79,12 @@ def make_gate(compile_wrapper: Callable[..., Any]) -> Callable[..., Any]:
                 except Retry:
                     pass
         finally:
-            entry = entries.pop()
-            if entry is not marker and entry.flight is not None and key is not None:
-                land(key, entry.flight)
+            if inside is not None:
+                inside.pop()
+            if live:  # the callback made a state for some call: this one's leaves, and its flight lands
+                call = end(sys._getframe())
+                if call is not None and call.flight is not None and key is not None:
+                    land(key, call.flight)
 
     _transparent(ttc_gate, compile_wrapper)
     return ttc_gate
@@ -99,11 +105,12 @@ def _transparent(gate: Callable[..., Any], compile_wrapper: Callable[..., Any]) 
 def make_resume_gate(resume_fn: Callable[..., Any], wraps: bool = True) -> Callable[..., Any]:
     """A gate in front of a graph-break continuation: retried like a gated call, flown as part of the
     enclosing ``torch.compile`` call."""
-    tls = _calls.stacks
+    live, end, counted, tls = _calls.live, _calls.end, _calls.COUNTED, _calls.stacks
 
     def ttc_resume_gate(*args: Any, **kwargs: Any) -> Any:
-        entries = tls.stack
-        entries.append(RESUME)
+        inside = tls.stack if counted else None
+        if inside is not None:
+            inside.append(None)
         try:
             while True:
                 try:
@@ -111,7 +118,10 @@ def make_resume_gate(resume_fn: Callable[..., Any], wraps: bool = True) -> Calla
                 except Retry:
                     pass
         finally:
-            entries.pop()
+            if inside is not None:
+                inside.pop()
+            if live:
+                end(sys._getframe())
 
     if wraps:
         functools.update_wrapper(ttc_resume_gate, resume_fn)
@@ -122,3 +132,5 @@ def make_resume_gate(resume_fn: Callable[..., Any], wraps: bool = True) -> Calla
 # The code objects of the two gates: dynamo's callback recognises a gated call by them.
 GATE_CODE = next(c for c in make_gate.__code__.co_consts if getattr(c, "co_name", None) == "ttc_gate")
 RESUME_GATE_CODE = next(c for c in make_resume_gate.__code__.co_consts if getattr(c, "co_name", None) == "ttc_resume_gate")
+_calls.MAIN_CODES.append(GATE_CODE)
+_calls.RESUME_CODES.append(RESUME_GATE_CODE)

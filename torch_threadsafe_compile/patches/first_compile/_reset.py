@@ -18,10 +18,12 @@ compiled consumer blocked on a queue that another compiled function feeds). Hold
 done would be a cycle: reset → consumer → producer → reset (measured before: 120 s, then "resetting
 anyway"). After ``GATE_WAIT_S`` a call goes in, and the reset keeps waiting until a moment when nobody is
 inside. Only once the reset has seen that moment (``freeing``) does every new call wait until it is done:
-that part depends on no other thread. The two sides publish first and look second (a call pushes its entry,
-then reads ``freeing``; the reset sets ``freeing``, then looks at the stacks), so no call slips into dynamo's
-lookup while entries are freed. The whole wait is bounded (``RESET_WAIT_MAX_S``: a call that never returns;
-then the reset goes ahead as upstream, with a log line).
+that part depends on no other thread. The two sides publish first and look second: a call is visible from
+the moment its gate frame exists (on free-threaded builds: its entry is pushed), and one that waited stops
+being listed as waiting before it reads ``freeing``; the reset sets ``freeing``, then looks at the other
+threads' frames (or lists: ``_calls``). So no call slips into dynamo's lookup while entries are freed. The
+whole wait is bounded (``RESET_WAIT_MAX_S``: a call that never returns; then the reset goes ahead as
+upstream, with a log line).
 
 Calls of functions compiled *before* an explicit ``install()`` have no gate and are not waited for.
 """
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import sys
 import threading
 import time
 from typing import Any, Callable
@@ -57,29 +60,50 @@ class ResetBarrier:
         # One reset at a time; re-entrant, as reset() calls reset_code_caches() (both are wrapped).
         self._one_at_a_time = threading.RLock()
         self._depth = 0
+        self._waiting: set[Any] = set()  # gate frames waiting in enter() (GIL builds)
 
     def after_fork(self) -> None:
         """In a forked child: no reset is under way there (the resetting thread, if it was another one,
         does not exist in the child), and its locks may be held by threads that do not exist."""
         self._start()
 
-    def enter(self, entries: list[Any], marker: Any) -> None:
-        """Called by a gate whose call is the first on its thread's stack (``marker`` not pushed) while a
-        reset is under way. Returns with ``marker`` pushed, when the call may go on (module docstring)."""
+    def enter(self, inside: list[Any] | None, target: Any) -> None:
+        """Called by a gate, its call not begun, while a reset is under way (``inside``: the thread's list
+        of counted calls on free-threaded builds, with this call's entry on top; None with the GIL). A call
+        nested in another gated call of its thread goes on (the reset waits for the outer one); the
+        outermost waits as the module docstring says and returns when it may go on."""
+        gate = sys._getframe(1)
+        if inside is not None:
+            if len(inside) > 1:
+                return
+        elif _nested(gate.f_back):
+            return
         t0 = time.monotonic()
         while True:
-            with self._cond:
-                while self.closed:
-                    left = GATE_WAIT_S - (time.monotonic() - t0)
-                    if left <= 0 and not self.freeing:
-                        break
-                    self._cond.wait(left if left > 0 else 1.0)
-            entries.append(marker)  # publish, then look (see the module docstring)
+            # Not counted as inside while it waits: the list entry is off, or the frame is listed as waiting.
+            if inside is not None:
+                inside.pop()
+            else:
+                self._waiting.add(gate)
+            try:
+                with self._cond:
+                    while self.closed:
+                        left = GATE_WAIT_S - (time.monotonic() - t0)
+                        if left <= 0 and not self.freeing:
+                            break
+                        self._cond.wait(left if left > 0 else 1.0)
+            finally:
+                # Counted again (publish), then look at ``freeing`` (see the module docstring).
+                if inside is not None:
+                    inside.append(target)
+                else:
+                    self._waiting.discard(gate)
             if not self.freeing:
                 return
-            entries.pop()
 
     def _others_inside(self, me: int) -> bool:
+        if not _calls.COUNTED:
+            return _calls.others_inside(sys._getframe(), self._waiting)
         with _calls.stacks_lock:
             entries = list(_calls.all_stacks.items())
         alive = {t.ident for t in threading.enumerate()}  # after the copy: a thread registered since is alive
@@ -130,12 +154,21 @@ class ResetBarrier:
             time.sleep(0.001)
 
 
+def _nested(frame: Any) -> bool:
+    """Whether ``frame`` or one below it on its thread is a gate's (GIL builds: this call is nested)."""
+    while frame is not None:
+        if _calls.is_gate(frame.f_code):
+            return True
+        frame = frame.f_back
+    return False
+
+
 barrier = ResetBarrier()
 _forksafe.in_child(barrier.after_fork)
 
 # Code objects that may run under dynamo's active frame callback (a gate at depth 0 inside compiled code
 # of a function compiled before install()).
-HELPER_CODES = (ResetBarrier.enter.__code__,)
+HELPER_CODES = (ResetBarrier.enter.__code__, _nested.__code__)
 
 
 def wrap_reset(original: Callable[..., Any], barrier: ResetBarrier, after: Callable[[], None]) -> Callable[..., Any]:
