@@ -1,4 +1,5 @@
-"""Parsing of the ``TTC_*`` environment variables: the one place that knows their values.
+"""Parsing of the ``TTC_*`` environment variables: the one place that knows their values; and whether the
+interpreter is a free-threaded build.
 
 Standard library only: this module is imported by the interpreter-start bootstrap, which must stay
 well under a millisecond and must never raise. Bad values never raise either; they produce a message
@@ -8,12 +9,13 @@ that the caller reports (one warning line per process) and the documented defaul
 from __future__ import annotations
 
 import os
+import sys
 
 TYPE_CHECKING = False  # `typing` is not worth importing at interpreter start; annotations are strings
 if TYPE_CHECKING:
     from typing import Mapping
 
-__all__ = ["Settings", "read_settings", "current", "is_true", "DISABLE"]
+__all__ = ["Settings", "read_settings", "current", "is_true", "DISABLE", "free_threaded_build"]
 
 DISABLE = "TTC_DISABLE"  # the variable that turns the package off (``1``), or some patches (``id,id``)
 
@@ -128,3 +130,15 @@ def current() -> Settings:
     if _current is None:
         _current = read_settings()
     return _current
+
+
+def free_threaded_build() -> bool:
+    """Whether this CPython is a free-threaded build (``Py_GIL_DISABLED``), whatever the GIL's state now.
+    ``sys.abiflags`` says so on POSIX ("t"); ``sysconfig`` elsewhere (it costs ~1 ms to load its data, paid
+    at ``import torch`` where the registry asks)."""
+    flags = getattr(sys, "abiflags", None)
+    if flags is not None:
+        return "t" in flags
+    import sysconfig
+
+    return bool(sysconfig.get_config_var("Py_GIL_DISABLED"))

@@ -21,9 +21,7 @@ from __future__ import annotations
 import importlib
 import logging
 import sys
-import sysconfig
 import threading
-from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Mapping, cast
 
@@ -65,14 +63,19 @@ BUSY_RETRY_EVERY_S = 0.2
 BUSY_RETRY_S = 60.0
 
 
-@dataclass
 class PatchState:
-    spec: PatchSpec
-    state: State = State.PENDING
-    skip: Skip | None = None
-    reason: str = ""
-    changes: Changes | None = None
-    extra: Mapping[str, Any] = field(default_factory=dict)
+    """One patch's state (mutable, under ``_lock``). Plain classes here, not dataclasses: this module is
+    imported during ``import torch``, where each dataclass decorator costs about half a millisecond."""
+
+    __slots__ = ("spec", "state", "skip", "reason", "changes", "extra")
+
+    def __init__(self, spec: PatchSpec) -> None:
+        self.spec = spec
+        self.state = State.PENDING
+        self.skip: Skip | None = None
+        self.reason = ""
+        self.changes: Changes | None = None
+        self.extra: Mapping[str, Any] = {}
 
     def settle(self, state: State, reason: str = "", skip: Skip | None = None) -> None:
         self.state, self.reason, self.skip = state, reason, skip
@@ -158,7 +161,7 @@ def _static_skip(spec: PatchSpec, settings: _env.Settings) -> tuple[Skip, str] |
     disabled_by = settings.patch_disabled_by(spec.id)
     if disabled_by is not None:
         return Skip.DISABLED, f"disabled by {disabled_by}"
-    if spec.free_threaded and not sysconfig.get_config_var("Py_GIL_DISABLED"):
+    if spec.free_threaded and not _env.free_threaded_build():
         return Skip.OUT_OF_RANGE, "a GIL build: the hazard needs free-threaded CPython"
     v = _version_ranges.torch_version()
     if v is None:
@@ -296,9 +299,23 @@ def revert_all() -> None:
 # -- reading: one immutable view, taken under the lock --------------------------------------------------
 
 
-@dataclass(frozen=True)
-class PatchView:
+class _Frozen:
+    """A value object: attributes set once by ``__init__``, never after."""
+
+    __slots__ = ()
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"{type(self).__name__} is immutable: cannot set {name!r}")
+
+    def __repr__(self) -> str:
+        names: tuple[str, ...] = type(self).__slots__
+        return f"{type(self).__name__}({', '.join(f'{n}={getattr(self, n)!r}' for n in names)})"
+
+
+class PatchView(_Frozen):
     """One patch as :func:`snapshot` saw it."""
+
+    __slots__ = ("spec", "state", "reason", "open", "replaced_by_others", "stats")
 
     spec: PatchSpec
     state: State
@@ -306,17 +323,28 @@ class PatchView:
     # The hazard stays open for a reason other than this torch's version or an upstream fix; None while the
     # package is disabled (off on purpose: nothing is open).
     open: bool | None
-    replaced_by_others: tuple[str, ...] = ()  # edits somebody else has since replaced (Changes.intact)
-    stats: Any = None  # an applied patch's report(), when asked for
+    replaced_by_others: tuple[str, ...]  # edits somebody else has since replaced (Changes.intact)
+    stats: Any  # an applied patch's report(), when asked for
+
+    def __init__(self, spec: PatchSpec, state: State, reason: str, open: bool | None,
+                 replaced_by_others: tuple[str, ...] = (), stats: Any = None) -> None:
+        for name, value in (("spec", spec), ("state", state), ("reason", reason), ("open", open),
+                            ("replaced_by_others", replaced_by_others), ("stats", stats)):
+            object.__setattr__(self, name, value)
 
 
-@dataclass(frozen=True)
-class Snapshot:
+class Snapshot(_Frozen):
     """The activation of this process and every patch, in patch order, at one moment."""
+
+    __slots__ = ("activation", "inactive_reason", "patches")
 
     activation: str  # how it was activated ("pth", "sitecustomize", "explicit"), "disabled" or "not activated"
     inactive_reason: str | None  # why it is off ("TTC_DISABLE=1"), None when not disabled
     patches: tuple[PatchView, ...]
+
+    def __init__(self, activation: str, inactive_reason: str | None, patches: tuple[PatchView, ...]) -> None:
+        for name, value in (("activation", activation), ("inactive_reason", inactive_reason), ("patches", patches)):
+            object.__setattr__(self, name, value)
 
     def patch(self, patch_id: str) -> PatchView:
         """One patch's view (``KeyError`` for an unknown id)."""

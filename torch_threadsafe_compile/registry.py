@@ -16,7 +16,6 @@ When each one runs is decided by :mod:`torch_threadsafe_compile._lifecycle`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping, Protocol
 
 if TYPE_CHECKING:
@@ -25,9 +24,15 @@ if TYPE_CHECKING:
 __all__ = ["PatchSpec", "Patch", "SPECS", "PATCH_MODULES"]
 
 
-@dataclass(frozen=True)
 class PatchSpec:
-    """What a patch declares about itself. See any module in ``patches/`` for an example."""
+    """What a patch declares about itself. See any module in ``patches/`` for an example.
+
+    Immutable. A plain class rather than a dataclass: the table below is built during ``import torch``,
+    where a dataclass decorator alone costs about half a millisecond (docs/performance.md).
+    """
+
+    __slots__ = ("id", "hazard", "summary", "upstream", "torch_versions", "modules", "fixed_in", "after", "uses",
+                 "free_threaded")
 
     id: str  # equal to the module name
     hazard: str  # H1 ... H9 (docs/hazards.md)
@@ -35,12 +40,25 @@ class PatchSpec:
     upstream: str  # the upstream issue / PR behind the hazard
     torch_versions: str  # a packaging specifier set, e.g. ">=2.4,<2.14"
     modules: tuple[str, ...]  # torch modules that must have been imported before it can apply
-    fixed_in: str | None = None  # first torch release where upstream fixed the hazard
-    after: tuple[str, ...] = ()  # patches that must be settled (applied or skipped) first
+    fixed_in: str | None  # first torch release where upstream fixed the hazard
+    after: tuple[str, ...]  # patches that must be settled (applied or skipped) first
     # Patches whose changes it picks up at call time when they are applied, in any order (no waiting):
     # the contracts between patches that no import shows (tests/test_registry.py checks they exist).
-    uses: tuple[str, ...] = ()
-    free_threaded: bool = False  # the hazard needs free-threaded CPython (GIL off): skipped on GIL builds
+    uses: tuple[str, ...]
+    free_threaded: bool  # the hazard needs free-threaded CPython (GIL off): skipped on GIL builds
+
+    def __init__(self, *, id: str, hazard: str, summary: str, upstream: str, torch_versions: str,
+                 modules: tuple[str, ...], fixed_in: str | None = None, after: tuple[str, ...] = (),
+                 uses: tuple[str, ...] = (), free_threaded: bool = False) -> None:
+        values = (id, hazard, summary, upstream, torch_versions, modules, fixed_in, after, uses, free_threaded)
+        for name, value in zip(self.__slots__, values):
+            object.__setattr__(self, name, value)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"PatchSpec is immutable: cannot set {name!r}")
+
+    def __repr__(self) -> str:
+        return f"PatchSpec({', '.join(f'{n}={getattr(self, n)!r}' for n in self.__slots__)})"
 
 
 class Patch(Protocol):

@@ -31,9 +31,9 @@ after 2.15.
 
 from __future__ import annotations
 
-import sysconfig
 from typing import Any
 
+from torch_threadsafe_compile import _env
 from torch_threadsafe_compile._journal import Changes
 from torch_threadsafe_compile._torch import loaded
 from torch_threadsafe_compile.registry import SPECS
@@ -49,7 +49,7 @@ def _c_module() -> Any:
 
 
 def check() -> str | None:
-    if not sysconfig.get_config_var("Py_GIL_DISABLED"):
+    if not _env.free_threaded_build():
         return "not a free-threaded build: first_compile retries the spurious misses of the reordering"
     if not callable(getattr(_c_module(), SWITCH, None)):
         return f"torch._C._dynamo.eval_frame.{SWITCH} not found"

@@ -33,10 +33,10 @@ from __future__ import annotations
 
 import functools
 import sys
-import sysconfig
 import threading
 from typing import Any
 
+from torch_threadsafe_compile import _env
 from torch_threadsafe_compile._journal import Changes
 from torch_threadsafe_compile._torch import loaded, skip_code
 from torch_threadsafe_compile.registry import SPECS
@@ -52,10 +52,6 @@ TARGETS = (
 )
 
 _lock = threading.Lock()
-
-
-def free_threaded_build() -> bool:
-    return bool(sysconfig.get_config_var("Py_GIL_DISABLED"))
 
 
 def _c_module() -> Any:
@@ -76,7 +72,7 @@ def _serialized(original: Any) -> Any:
 
 
 def check() -> str | None:
-    if not free_threaded_build():
+    if not _env.free_threaded_build():
         return "not a free-threaded build: set_eval_frame runs under the GIL"
     c_mod = _c_module()
     if not callable(getattr(c_mod, "set_eval_frame", None)):

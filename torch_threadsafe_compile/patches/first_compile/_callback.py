@@ -25,7 +25,7 @@ from torch_threadsafe_compile.patches.first_compile import _calls, _flights
 from torch_threadsafe_compile.patches.first_compile._cache_probe import CacheProbe, backend_of
 from torch_threadsafe_compile.patches.first_compile._calls import GateCall, Retry
 from torch_threadsafe_compile.patches.first_compile._continuations import ContinuationGates
-from torch_threadsafe_compile.patches.first_compile._gate import GATE_CODE, RESUME_GATE_CODE
+from torch_threadsafe_compile.patches.first_compile._gate import RESUME_GATE_CODE
 from torch_threadsafe_compile.patches.first_compile._stats import Stats
 
 _MODULE_FILE = os.path.join("torch", "nn", "modules", "module.py")
@@ -55,7 +55,7 @@ def first_frame_gate(caller: Any, cw_code: types.CodeType) -> Any:
             return None
         f = f.f_back
     gate = f.f_back if f is not None else None
-    return gate if gate is not None and gate.f_code is GATE_CODE else None
+    return gate if gate is not None and _calls.is_main_gate(gate.f_code) else None
 
 
 class FrameCallback:

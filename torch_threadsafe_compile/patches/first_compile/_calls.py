@@ -18,12 +18,11 @@ it switched away in Python code, not inside dynamo's lookup, and its frame keeps
 from __future__ import annotations
 
 import sys
-import sysconfig
 import threading
 import types
 from typing import Any
 
-from torch_threadsafe_compile import _forksafe
+from torch_threadsafe_compile import _env, _forksafe
 
 # A retry is only raised when an entry whose guards (and backend) pass is in the cache, so retries end as
 # soon as dynamo's lookup sees it; the bound is a safety net for an entry that passes here but that the
@@ -31,7 +30,7 @@ from torch_threadsafe_compile import _forksafe
 MAX_RETRIES = 16
 
 # Free-threaded build: the reset cannot walk other threads' frames, so gates count their calls per thread.
-COUNTED = bool(sysconfig.get_config_var("Py_GIL_DISABLED"))
+COUNTED = _env.free_threaded_build()
 
 
 class Retry(BaseException):
@@ -86,23 +85,25 @@ class GateCall:
 # its own frames only (one dict operation each: atomic with and without the GIL).
 live: dict[types.FrameType, GateCall] = {}
 
-# The gates' code objects (set by ``_gate``, which defines them): main gates, continuation gates.
-MAIN_CODES: list[types.CodeType] = []
+# The gates' code objects (set by ``_gate``, which defines them): main gates by id (the generic one and
+# the own-signature variants, kept alive here, a bounded number), continuation gates.
+MAIN_CODES: dict[int, types.CodeType] = {}
 RESUME_CODES: list[types.CodeType] = []
+
+
+def add_main_code(code: types.CodeType) -> None:
+    MAIN_CODES[id(code)] = code
 
 
 def is_main_gate(code: types.CodeType) -> bool:
     # Identity, not equality: comparing code objects compares their constants, which can be unhashable.
-    # Loops, not any(...): these run under dynamo's active callback, where a generator is one more frame.
-    for c in MAIN_CODES:  # noqa: SIM110 - see above
-        if code is c:
-            return True
-    return False
+    return MAIN_CODES.get(id(code)) is code
 
 
 def is_gate(code: types.CodeType) -> bool:
     if is_main_gate(code):
         return True
+    # A loop, not any(...): this runs under dynamo's active callback, where a generator is one more frame.
     for c in RESUME_CODES:  # noqa: SIM110 - see above
         if code is c:
             return True
@@ -119,7 +120,7 @@ def state(frame: types.FrameType) -> GateCall:
     else:
         # The gate's own closure value, read from its frame (the one place it is kept, so that a warm call
         # stores nothing); only here, on a cache miss.
-        target: Any = frame.f_locals.get("target")
+        target: Any = frame.f_locals.get("ttc_target")  # the gate's closure value (``_gate``)
         # A module's call plumbing runs before ``forward``; on its hook-free fast path nothing else does,
         # so a retry repeats nothing. With forward (pre-)hooks registered they would run twice: no retry.
         is_module = target.__class__ is ModuleTarget

@@ -15,11 +15,15 @@ adds a layer of calls; ``functools.update_wrapper`` gives the same transparency 
 
 from __future__ import annotations
 
+import ast
 import functools
 import sys
+import threading
 import types
 from typing import Any, Callable
 
+from torch_threadsafe_compile._rewrite import rewrite_function
+from torch_threadsafe_compile._torch import skip_code
 from torch_threadsafe_compile.patches.first_compile import _calls, _flights, _reset
 from torch_threadsafe_compile.patches.first_compile._calls import ModuleTarget, Retry
 
@@ -58,36 +62,123 @@ def make_gate(compile_wrapper: Callable[..., Any]) -> Callable[..., Any]:
     # What the frame callback reads from the gate's frame (``_calls.state``): the key, or for a module its
     # (key, module) pair, made once per gate.
     target = key if module is None else ModuleTarget(key, module)
+    fn = getattr(compile_wrapper, "__wrapped__", None)
+    factory = _signature_factory(fn) if module is None else None
+    if factory is None:
+        gate = _gate_factory(compile_wrapper, key, target)
+    else:  # the function's own parameters, defaults included: a call forwards them as they are
+        gate = factory(compile_wrapper, key, target)
+        gate.__defaults__, gate.__kwdefaults__ = fn.__defaults__, fn.__kwdefaults__  # type: ignore[union-attr]
+    _transparent(gate, compile_wrapper)
+    return gate
+
+
+def _gate_factory(compile_wrapper: Callable[..., Any], key: types.CodeType | None, target: Any) -> Callable[..., Any]:
     # Bound once: no Python call but the wrapper's own on the warm path (a gate can run under dynamo's active
-    # frame callback, inside compiled code, where every Python frame would reach the callback).
-    flights, await_others, land, live, end = _flights.flights, _flights.await_others, _flights.land, _calls.live, _calls.end
-    barrier, counted, tls = _reset.barrier, _calls.COUNTED, _calls.stacks
+    # frame callback, inside compiled code, where every Python frame would reach the callback). The names
+    # the gate's body uses start with ``ttc_``: the own-signature variants below take the user's parameter
+    # names, which must not shadow them (``key`` is flex_attention's).
+    ttc_wrapper, ttc_key, ttc_target = compile_wrapper, key, target
+    ttc_flights, ttc_await, ttc_land = _flights.flights, _flights.await_others, _flights.land
+    ttc_live, ttc_end, ttc_barrier, ttc_counted, ttc_tls = _calls.live, _calls.end, _reset.barrier, _calls.COUNTED, _calls.stacks
 
     def ttc_gate(*args: Any, **kwargs: Any) -> Any:
         # Free-threaded builds only: count the call for the reset before looking at its barrier (_reset).
-        inside = tls.stack if counted else None
-        if inside is not None:
-            inside.append(target)
-        if barrier.closed:  # a reset is under way: a new call waits for it (bounded)
-            barrier.enter(inside, target)
+        ttc_inside = ttc_tls.stack if ttc_counted else None
+        if ttc_inside is not None:
+            ttc_inside.append(ttc_target)
+        if ttc_barrier.closed:  # a reset is under way: a new call waits for it (bounded)
+            ttc_barrier.enter(ttc_inside, ttc_target)
         try:
             while True:
-                if flights and key is not None:
-                    await_others(key)
+                if ttc_flights and ttc_key is not None:
+                    ttc_await(ttc_key)
                 try:
-                    return compile_wrapper(*args, **kwargs)
+                    return ttc_wrapper(*args, **kwargs)
                 except Retry:
                     pass
         finally:
-            if inside is not None:
-                inside.pop()
-            if live:  # the callback made a state for some call: this one's leaves, and its flight lands
-                call = end(sys._getframe())
-                if call is not None and call.flight is not None and key is not None:
-                    land(key, call.flight)
+            if ttc_inside is not None:
+                ttc_inside.pop()
+            if ttc_live:  # the callback made a state for some call: this one's leaves, and its flight lands
+                ttc_call = ttc_end(sys._getframe())
+                if ttc_call is not None and ttc_call.flight is not None and ttc_key is not None:
+                    ttc_land(ttc_key, ttc_call.flight)
 
-    _transparent(ttc_gate, compile_wrapper)
     return ttc_gate
+
+
+# -- gates with the compiled function's own signature ---------------------------------------------------
+#
+# ``def ttc_gate(*args, **kwargs): ... compile_wrapper(*args, **kwargs)`` packs the arguments into a tuple
+# and a dict and unpacks them again: about 40 ns of a warm call (CPython 3.11; a call with the function's
+# own parameters is an ordinary one). So for a plain function, the gate gets its parameters: the same
+# ``ttc_gate`` body, compiled from this module's source with ``_rewrite`` (proved unchanged first, as for
+# torch's functions), one variant per parameter-name list, at most ``MAX_SIGNATURES``; the function's own
+# defaults go on the gate. Anything else (methods, modules, ``*args``/``**kwargs``, a name the body uses,
+# a source that cannot be read) gets the generic gate above.
+
+MAX_SIGNATURES = 64
+_factories: dict[tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]], Callable[..., Any] | None] = {}
+_factories_lock = threading.Lock()  # a leaf lock
+
+
+class _OwnSignature(ast.NodeTransformer):
+    """``ttc_gate``'s parameters and its call of dynamo's wrapper (``ttc_wrapper``) become the given names."""
+
+    def __init__(self, posonly: tuple[str, ...], args: tuple[str, ...], kwonly: tuple[str, ...]) -> None:
+        self.posonly, self.args, self.kwonly = posonly, args, kwonly
+        self.hits = 0
+
+    def visit_FunctionDef(self, node: ast.FunctionDef) -> ast.AST:
+        if node.name == "ttc_gate":
+            self.hits += 1
+            node.args = ast.arguments(
+                posonlyargs=[ast.arg(arg=n) for n in self.posonly], args=[ast.arg(arg=n) for n in self.args],
+                vararg=None, kwonlyargs=[ast.arg(arg=n) for n in self.kwonly], kw_defaults=[None] * len(self.kwonly),
+                kwarg=None, defaults=[])
+            node.returns = None
+        self.generic_visit(node)
+        return node
+
+    def visit_Call(self, node: ast.Call) -> ast.AST:
+        self.generic_visit(node)
+        if isinstance(node.func, ast.Name) and node.func.id == "ttc_wrapper":
+            self.hits += 1
+            node.args = [ast.Name(id=n, ctx=ast.Load()) for n in self.posonly + self.args]
+            node.keywords = [ast.keyword(arg=n, value=ast.Name(id=n, ctx=ast.Load())) for n in self.kwonly]
+        return node
+
+
+def _signature_factory(fn: Any) -> Callable[..., Any] | None:
+    """A gate factory with ``fn``'s parameters, or None (the generic gate)."""
+    code = getattr(fn, "__code__", None)
+    if type(fn) is not types.FunctionType or not isinstance(code, types.CodeType) or code.co_flags & 0x0C:
+        return None  # not a plain function, or it takes *args / **kwargs
+    n_pos, n_kw = code.co_argcount, code.co_kwonlyargcount
+    names = code.co_varnames[: n_pos + n_kw]
+    if set(names) & _GATE_NAMES:
+        return None  # a parameter would shadow a name the gate's body uses
+    sig = (names[: code.co_posonlyargcount], names[code.co_posonlyargcount : n_pos], names[n_pos:])
+    with _factories_lock:
+        if sig in _factories:
+            return _factories[sig]
+        if len(_factories) >= MAX_SIGNATURES:
+            return None
+    factory = _compile_factory(*sig)
+    with _factories_lock:
+        return _factories.setdefault(sig, factory)
+
+
+def _compile_factory(posonly: tuple[str, ...], args: tuple[str, ...], kwonly: tuple[str, ...]) -> Callable[..., Any] | None:
+    try:
+        code = rewrite_function(_gate_factory, _OwnSignature(posonly, args, kwonly), "ttc_gate")  # type: ignore[arg-type]
+    except Exception:  # source not readable or not ours any more: the generic gate, always correct
+        return None
+    gate_code = next(c for c in code.co_consts if getattr(c, "co_name", None) == "ttc_gate")
+    _calls.add_main_code(gate_code)
+    skip_code(gate_code)  # dynamo runs it as it is (see the patch's apply)
+    return types.FunctionType(code, _gate_factory.__globals__, "_gate_factory")
 
 
 def _transparent(gate: Callable[..., Any], compile_wrapper: Callable[..., Any]) -> None:
@@ -129,8 +220,11 @@ def make_resume_gate(resume_fn: Callable[..., Any], wraps: bool = True) -> Calla
     return ttc_resume_gate
 
 
-# The code objects of the two gates: dynamo's callback recognises a gated call by them.
-GATE_CODE = next(c for c in make_gate.__code__.co_consts if getattr(c, "co_name", None) == "ttc_gate")
+# The code objects of the two generic gates: dynamo's callback recognises a gated call by them (and by the
+# own-signature variants, ``_calls.add_main_code``).
+GATE_CODE = next(c for c in _gate_factory.__code__.co_consts if getattr(c, "co_name", None) == "ttc_gate")
+# Every name the gate's body uses: a parameter of that name would change what the body means.
+_GATE_NAMES = frozenset(GATE_CODE.co_names + GATE_CODE.co_freevars + GATE_CODE.co_varnames) - {"args", "kwargs"}
 RESUME_GATE_CODE = next(c for c in make_resume_gate.__code__.co_consts if getattr(c, "co_name", None) == "ttc_resume_gate")
-_calls.MAIN_CODES.append(GATE_CODE)
+_calls.add_main_code(GATE_CODE)
 _calls.RESUME_CODES.append(RESUME_GATE_CODE)
