@@ -32,6 +32,9 @@ def _fake_torch(root: Path, version: str, files: dict[str, str]) -> Path:
 
 
 STATUS = "import json, torch_threadsafe_compile as t; print('STATUS ' + json.dumps(t.status()))"
+# Patches that apply when torch._dynamo is imported and read its submodules: left out where a fake torch
+# has an empty ``_dynamo`` (only for the patches of ``torch.compiler``'s flags, which apply there).
+NEEDS_REAL_DYNAMO = "guard_invalidation,code_reset"
 
 
 def _status(p) -> dict:  # noqa: ANN001
@@ -89,9 +92,12 @@ def test_changed_patch_target_is_skipped_with_reason(tmp_path: Path) -> None:
     _fake_torch(tmp_path, "2.13.0", {
         "__init__.py": "from .fx import _symbolic_trace\nfrom . import compiler\n",
         "fx/_symbolic_trace.py": "def is_fx_tracing():\n    return False\nclass Tracer:\n    def trace(self, root):\n        return root\n",
-        "compiler/__init__.py": "_is_compiling_flag = False\ndef is_compiling():\n    return _is_compiling_flag\n",
+        "compiler/__init__.py": "_is_compiling_flag = False\ndef is_compiling():\n    return _is_compiling_flag\n"
+                                "_is_exporting_flag = False\ndef is_exporting():\n    return _is_exporting_flag\n",
+        "_dynamo/__init__.py": "",  # the compiler's flag patches apply once dynamo is imported
     })
-    p = run_py("import torch\n" + STATUS, env={"PYTHONPATH": str(tmp_path)})
+    # The patches that need a real dynamo's internals are left out: this fake has none.
+    p = run_py("import torch, torch._dynamo\n" + STATUS, env={"PYTHONPATH": str(tmp_path), "TTC_DISABLE": NEEDS_REAL_DYNAMO})
     assert p.returncode == 0, p.stderr
     states = {r["id"]: (r["state"], r["reason"]) for r in _status(p)["patches"]}
     assert states["fx_tracing_flag"][0] == "skipped"
@@ -106,8 +112,12 @@ def test_target_without_source_is_skipped_with_one_warning_at_most(tmp_path: Pat
     _fake_torch(tmp_path, "2.13.0", {
         "__init__.py": "from . import compiler\n",
         "compiler/__init__.py": "_is_compiling_flag = False\nexec('def is_compiling():\\n    return _is_compiling_flag\\n')\n",
+        "_dynamo/__init__.py": "",
     })
-    p = run_py("import torch, types\n" + STATUS + "\nprint(type(torch.compiler) is types.ModuleType)", env={"PYTHONPATH": str(tmp_path)})
+    # This fake has no torch.compile (compile_import_lock would say so at import torch: another line) and no
+    # export flag: the patches of those stay out, so that the warning is this patch's alone.
+    p = run_py("import torch, torch._dynamo, types\n" + STATUS + "\nprint(type(torch.compiler) is types.ModuleType)",
+               env={"PYTHONPATH": str(tmp_path), "TTC_DISABLE": NEEDS_REAL_DYNAMO + ",compile_import_lock,export_flag"})
     assert p.returncode == 0, p.stderr
     states = {r["id"]: r["state"] for r in _status(p)["patches"]}
     assert states["compile_session_flag"] == "skipped"

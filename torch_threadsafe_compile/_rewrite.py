@@ -12,6 +12,7 @@ from __future__ import annotations
 import __future__
 
 import ast
+import os
 import textwrap
 import threading
 import types
@@ -120,11 +121,35 @@ class _RenameGlobal(ast.NodeTransformer):
         return ast.copy_location(fast, node)
 
 
+# The last few source files read, with the (mtime, size) they were read at: several rewritten functions
+# share a file (``torch/fx/_symbolic_trace.py``), read once per ``import torch`` instead of once each. A
+# file changed since is read again; what is read is proved against the running code either way.
+_LINES_CACHED = 2
+_lines: dict[str, tuple[tuple[int, int], list[str]]] = {}
+_lines_lock = threading.Lock()
+
+
+def _file_lines(filename: str) -> list[str]:
+    st = os.stat(filename)
+    stamp = (st.st_mtime_ns, st.st_size)
+    with _lines_lock:
+        hit = _lines.get(filename)
+    if hit is not None and hit[0] == stamp:
+        return hit[1]
+    with open(filename, encoding="utf-8") as fh:
+        lines = fh.read().splitlines(True)
+    with _lines_lock:
+        _lines.pop(filename, None)
+        while len(_lines) >= _LINES_CACHED:
+            _lines.pop(next(iter(_lines)))
+        _lines[filename] = (stamp, lines)
+    return lines
+
+
 def _function_source(code: types.CodeType) -> ast.FunctionDef | ast.AsyncFunctionDef:
     """The definition of ``code`` parsed from its file (the lines its code object spans; no ``inspect``)."""
     try:
-        with open(code.co_filename, encoding="utf-8") as fh:
-            lines = fh.read().splitlines(True)[code.co_firstlineno - 1 :]
+        lines = _file_lines(code.co_filename)[code.co_firstlineno - 1 :]
     except OSError as e:
         raise SourceUnavailable(f"cannot read torch's source of {code.co_name} ({type(e).__name__}: {e})") from e
     positions = getattr(code, "co_positions", None)

@@ -107,7 +107,9 @@ SPECS: dict[str, PatchSpec] = {
             summary="torch.compiler.is_compiling() is True only in the thread that compiles",
             upstream="pytorch/pytorch#184614 (held for the whole compile session, fixes #184547); flag is process-global",
             torch_versions=">=2.13",
-            modules=("torch.compiler",),
+            # Only dynamo's compile session and export (which imports dynamo) ever set the flag: applied when
+            # torch._dynamo is imported, not during `import torch` (docs/performance.md).
+            modules=("torch.compiler", "torch._dynamo"),
         ),
         PatchSpec(
             id="export_flag",
@@ -115,7 +117,7 @@ SPECS: dict[str, PatchSpec] = {
             summary="torch.compiler.is_exporting() is True only in the thread that exports",
             upstream="pytorch/pytorch#105943 (PT2 is not thread safe); _is_exporting_flag is process-global",
             torch_versions=">=2.7",  # the flag exists from 2.7 (docs/compat.md: it leaks on 2.7 and 2.8 too)
-            modules=("torch.compiler",),
+            modules=("torch.compiler", "torch._dynamo"),  # set only by export and dynamo, as above
             after=("compile_session_flag",),
         ),
         PatchSpec(

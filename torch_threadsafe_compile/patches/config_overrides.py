@@ -260,14 +260,16 @@ def verify() -> None:
     flipped = not entry.default
     try:
         copy_context().run(_make_process_wide, cfg, name, flipped)
-        if run_in_thread(lambda: getattr(cfg, name)) is not flipped:
-            raise AssertionError(f"{cfg.__name__}.{name}: a process-wide value is not seen by a new thread")
 
-        def own_value() -> Any:
+        def own_value() -> tuple[Any, Any]:
+            seen = getattr(cfg, name)  # the process-wide value
             setattr(cfg, name, entry.default)  # not the main thread: stays in this thread
-            return getattr(cfg, name)
+            return seen, getattr(cfg, name)
 
-        if run_in_thread(own_value) is not entry.default or run_in_thread(lambda: getattr(cfg, name)) is not flipped:
+        seen, own = run_in_thread(own_value)  # two probe threads in all: import torch pays each start
+        if seen is not flipped:
+            raise AssertionError(f"{cfg.__name__}.{name}: a process-wide value is not seen by a new thread")
+        if own is not entry.default or run_in_thread(lambda: getattr(cfg, name)) is not flipped:
             raise AssertionError(f"{cfg.__name__}.{name}: a thread's own value is not its own")
     finally:
         entry.user_override = saved
