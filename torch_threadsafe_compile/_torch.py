@@ -170,9 +170,10 @@ def program_threads_started() -> bool:
 COMPILER_FLAG_USERS_KNOWN = ">=2.11,<2.16"
 
 
-def compiler_flag_users() -> list[types.FunctionType] | None:
-    """The generator function of ``_compiling_state_context`` when it is the only code outside
-    ``torch.compiler`` that uses that module's flags (a release of the range above), else None."""
+def compiler_flag_users(template: Callable[..., Any]) -> list[tuple[types.FunctionType, Callable[..., Any]]] | None:
+    """``_rewrite.thread_local_global``'s ``held_by`` for a flag of ``torch.compiler``: the generator function
+    of ``_compiling_state_context`` with the patch's ``template`` for it, when that context is the only code
+    outside ``torch.compiler`` that uses the module's flags (a release of the range above); else None."""
     from torch_threadsafe_compile import _version_ranges
 
     version = _version_ranges.torch_version()
@@ -182,4 +183,4 @@ def compiler_flag_users() -> list[types.FunctionType] | None:
     fn = getattr(getattr(utils, "_compiling_state_context", None), "__wrapped__", None)
     if not isinstance(fn, types.FunctionType) or not fn.__code__.co_flags & 0x20:  # CO_GENERATOR
         return None
-    return [fn]
+    return [(fn, template)]

@@ -37,11 +37,6 @@ def _state_context_template():  # type: ignore[no-untyped-def]
     return (yield from _ttc_held_is_compiling_flag())  # type: ignore[name-defined]  # noqa: F821
 
 
-def _held_by() -> list[Any] | None:
-    users = compiler_flag_users()
-    return [(fn, _state_context_template) for fn in users] if users else None
-
-
 def _functions(mod: Any) -> list[Any]:
     out = [mod.is_compiling]
     ctx = getattr(mod, "_compile_session_context", None)
@@ -65,7 +60,7 @@ def apply(changes: Changes) -> dict[str, Any]:
     # Every thread starts outside a compile (upstream's initial value), also when install() runs while
     # another thread compiles and the global is True for now: that would leave is_compiling() True in every
     # thread for good.
-    thread_local_global(changes, mod, FLAG, _functions(mod), default=False, held_by=_held_by())
+    thread_local_global(changes, mod, FLAG, _functions(mod), default=False, held_by=compiler_flag_users(_state_context_template))
     return {}
 
 

@@ -35,11 +35,6 @@ def _state_context_template():  # type: ignore[no-untyped-def]
     return (yield from _ttc_held_is_exporting_flag())  # type: ignore[name-defined]  # noqa: F821
 
 
-def _held_by() -> list[Any] | None:
-    users = compiler_flag_users()
-    return [(fn, _state_context_template) for fn in users] if users else None
-
-
 def check() -> str | None:
     mod = _module()
     if FLAG not in mod.__dict__:
@@ -51,7 +46,7 @@ def check() -> str | None:
 
 def apply(changes: Changes) -> dict[str, Any]:
     mod = _module()
-    thread_local_global(changes, mod, FLAG, [mod.is_exporting], held_by=_held_by())
+    thread_local_global(changes, mod, FLAG, [mod.is_exporting], held_by=compiler_flag_users(_state_context_template))
     return {}
 
 
