@@ -957,6 +957,7 @@ def lazy_recompile_race(rounds: int = 40, threads: int = 8, steps: int = 60) -> 
     ref = f(x)
     counts = {"calls": 0, "errors": 0, "wrong": 0}
     kinds: dict[str, int] = {}
+    lock = threading.Lock()  # the counts are shared: with the GIL off, unlocked += loses updates
     old = sys.getswitchinterval()
     sys.setswitchinterval(1e-6)
     try:
@@ -969,12 +970,14 @@ def lazy_recompile_race(rounds: int = 40, threads: int = 8, steps: int = 60) -> 
                 bar.wait()
                 try:
                     out = gm(x)
-                    counts["calls"] += 1
-                    if not torch.allclose(out, ref):
-                        counts["wrong"] += 1
+                    right = bool(torch.allclose(out, ref))
+                    with lock:
+                        counts["calls"] += 1
+                        counts["wrong"] += not right
                 except Exception as e:
-                    counts["errors"] += 1
-                    kinds[type(e).__name__] = kinds.get(type(e).__name__, 0) + 1
+                    with lock:
+                        counts["errors"] += 1
+                        kinds[type(e).__name__] = kinds.get(type(e).__name__, 0) + 1
 
             _start_join([threading.Thread(target=first_call) for _ in range(threads)])
     finally:
