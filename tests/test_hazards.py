@@ -136,8 +136,12 @@ def test_h3_one_compile_per_stampede(threads: int) -> None:
     """patch first_compile: N simultaneous first calls -> 1 compile; a new-shape stampede -> 1 more."""
     off, on = pair("stampede", unpatched_may_crash=True, threads=threads, shapes=2)
     if "crashed" not in off:
-        assert off["graphs_after_each_stampede"][0] >= min(threads, 8) - 1  # upstream compiles ~once per thread
-        assert off["uncompiled_frames"] > 0  # and then hits the recompile limit: calls ran eager
+        # Upstream compiles ~once per thread and then hits the recompile limit: calls ran eager. How many
+        # threads overlap is timing (one run with the GIL off compiled fewer and ran none eager): up to 3 runs.
+        off = unpatched_until_shown(off, "stampede", lambda r: r.get("rc", 0) < 0 or bool(r.get("timeout"))
+                                    or r.get("uncompiled_frames", 0) > 0, "no call ran uncompiled", threads=threads, shapes=2)
+        if "graphs_after_each_stampede" in off:
+            assert off["graphs_after_each_stampede"][0] >= min(threads, 8) - 1
     assert on["graphs_after_each_stampede"] == [1, 2]
     assert on["uncompiled_frames"] == 0 and on["errors"] == 0 and on["wrong_results"] == 0
 
