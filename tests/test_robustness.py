@@ -30,33 +30,41 @@ def test_install_while_other_threads_compile_keeps_h1_and_h2() -> None:
     """(4) uninstall()/install() cycles while three threads compile training steps (so the process-wide
     compiling flag is True most of the time): every cycle applies the flag patches (before: fx_tracing_flag
     failed its check, "is_fx_symbolic_tracing() does not see this thread's flag", 4 of 4 runs), and no
-    thread is left with a flag another one set."""
+    thread is left with a flag another one set. Errors of calls that overlap an uninstalled window are
+    upstream's H1 and are not counted (under load they showed in one run on torch 2.11)."""
     res = _result(run_py("""
 import json, threading, time, torch, torch._dynamo, torch_threadsafe_compile as ttc
 from torch.fx._symbolic_trace import is_fx_tracing
-stop = threading.Event(); errors = []
+stop = threading.Event(); errors = []; window_errors = []
+# While uninstalled, upstream's H1 may show (a false FX-tracing error): only a call that began and failed
+# within one installed period counts. epoch changes at every uninstall and install.
+phase = {"installed": True, "epoch": 0}
 def compiler(i):
     k = 0
     while not stop.is_set():
         k += 1
+        on, epoch = phase["installed"], phase["epoch"]
         f = torch.compile(lambda x, k=k: (x * k).sin().sum(), backend="aot_eager")
         try:
             x = torch.randn(4, requires_grad=True); f(x).backward()
         except Exception as e:
-            errors.append(repr(e)[:200])
+            counted = on and phase["installed"] and phase["epoch"] == epoch
+            (errors if counted else window_errors).append(repr(e)[:200])
 ts = [threading.Thread(target=compiler, args=(i,), daemon=True) for i in range(3)]
 for t in ts: t.start()
 time.sleep(1.0)
 states = []
 for _ in range(4):
+    phase["installed"] = False; phase["epoch"] += 1
     ttc.uninstall(); time.sleep(0.2)
     st = {p["id"]: p["state"] for p in ttc.install()["patches"]}
+    phase["epoch"] += 1; phase["installed"] = True
     states.append([st["fx_tracing_flag"], st["compile_session_flag"]])
     time.sleep(0.3)
 leaks = sum(bool(torch.compiler.is_compiling()) or bool(is_fx_tracing()) for _ in range(2000))
 stop.set()
 for t in ts: t.join(60)
-print("RESULT " + json.dumps(dict(states=states, leaks=leaks, errors=errors[:3])))
+print("RESULT " + json.dumps(dict(states=states, leaks=leaks, errors=errors[:3], window_errors=len(window_errors))))
 """, timeout=TIMEOUT))
     expected = ["applied" if torch_version().release < (2, 14) else "skipped",
                 "applied" if torch_version().release >= (2, 13) else "skipped"]
