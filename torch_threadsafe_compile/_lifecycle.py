@@ -27,7 +27,7 @@ from typing import Any, Mapping, cast
 
 from torch_threadsafe_compile import _activation, _env, _forksafe, _version_ranges
 from torch_threadsafe_compile._journal import Changes, SourceUnavailable, TargetBusy, TargetMismatch
-from torch_threadsafe_compile.registry import SPECS, Patch, PatchSpec
+from torch_threadsafe_compile.registry import SPECS, Frozen, Patch, PatchSpec
 
 log = logging.getLogger("torch_threadsafe_compile")
 
@@ -64,8 +64,7 @@ BUSY_RETRY_S = 60.0
 
 
 class PatchState:
-    """One patch's state (mutable, under ``_lock``). Plain classes here, not dataclasses: this module is
-    imported during ``import torch``, where each dataclass decorator costs about half a millisecond."""
+    """One patch's state (mutable, under ``_lock``; a plain class, for the reason ``registry.Frozen`` gives)."""
 
     __slots__ = ("spec", "state", "skip", "reason", "changes", "extra")
 
@@ -299,20 +298,7 @@ def revert_all() -> None:
 # -- reading: one immutable view, taken under the lock --------------------------------------------------
 
 
-class _Frozen:
-    """A value object: attributes set once by ``__init__``, never after."""
-
-    __slots__ = ()
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        raise AttributeError(f"{type(self).__name__} is immutable: cannot set {name!r}")
-
-    def __repr__(self) -> str:
-        names: tuple[str, ...] = type(self).__slots__
-        return f"{type(self).__name__}({', '.join(f'{n}={getattr(self, n)!r}' for n in names)})"
-
-
-class PatchView(_Frozen):
+class PatchView(Frozen):
     """One patch as :func:`snapshot` saw it."""
 
     __slots__ = ("spec", "state", "reason", "open", "replaced_by_others", "stats")
@@ -328,12 +314,10 @@ class PatchView(_Frozen):
 
     def __init__(self, spec: PatchSpec, state: State, reason: str, open: bool | None,
                  replaced_by_others: tuple[str, ...] = (), stats: Any = None) -> None:
-        for name, value in (("spec", spec), ("state", state), ("reason", reason), ("open", open),
-                            ("replaced_by_others", replaced_by_others), ("stats", stats)):
-            object.__setattr__(self, name, value)
+        self._set(spec, state, reason, open, replaced_by_others, stats)
 
 
-class Snapshot(_Frozen):
+class Snapshot(Frozen):
     """The activation of this process and every patch, in patch order, at one moment."""
 
     __slots__ = ("activation", "inactive_reason", "patches")
@@ -343,8 +327,7 @@ class Snapshot(_Frozen):
     patches: tuple[PatchView, ...]
 
     def __init__(self, activation: str, inactive_reason: str | None, patches: tuple[PatchView, ...]) -> None:
-        for name, value in (("activation", activation), ("inactive_reason", inactive_reason), ("patches", patches)):
-            object.__setattr__(self, name, value)
+        self._set(activation, inactive_reason, patches)
 
     def patch(self, patch_id: str) -> PatchView:
         """One patch's view (``KeyError`` for an unknown id)."""

@@ -21,15 +21,31 @@ from typing import TYPE_CHECKING, Any, Mapping, Protocol
 if TYPE_CHECKING:
     from torch_threadsafe_compile._journal import Changes
 
-__all__ = ["PatchSpec", "Patch", "SPECS", "PATCH_MODULES"]
+__all__ = ["Frozen", "PatchSpec", "Patch", "SPECS", "PATCH_MODULES"]
 
 
-class PatchSpec:
-    """What a patch declares about itself. See any module in ``patches/`` for an example.
+class Frozen:
+    """A value object: its ``__slots__`` set once by ``__init__`` (``_set``), never after. Plain classes, not
+    dataclasses: these are built during ``import torch``, where a dataclass decorator alone costs about half
+    a millisecond (docs/performance.md). ``PatchSpec`` here, ``_lifecycle``'s views."""
 
-    Immutable. A plain class rather than a dataclass: the table below is built during ``import torch``,
-    where a dataclass decorator alone costs about half a millisecond (docs/performance.md).
-    """
+    __slots__ = ()
+
+    def _set(self, *values: Any) -> None:
+        names: tuple[str, ...] = type(self).__slots__
+        for name, value in zip(names, values):
+            object.__setattr__(self, name, value)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"{type(self).__name__} is immutable: cannot set {name!r}")
+
+    def __repr__(self) -> str:
+        names: tuple[str, ...] = type(self).__slots__
+        return f"{type(self).__name__}({', '.join(f'{n}={getattr(self, n)!r}' for n in names)})"
+
+
+class PatchSpec(Frozen):
+    """What a patch declares about itself. See any module in ``patches/`` for an example."""
 
     __slots__ = ("id", "hazard", "summary", "upstream", "torch_versions", "modules", "fixed_in", "after", "uses",
                  "free_threaded")
@@ -50,15 +66,7 @@ class PatchSpec:
     def __init__(self, *, id: str, hazard: str, summary: str, upstream: str, torch_versions: str,
                  modules: tuple[str, ...], fixed_in: str | None = None, after: tuple[str, ...] = (),
                  uses: tuple[str, ...] = (), free_threaded: bool = False) -> None:
-        values = (id, hazard, summary, upstream, torch_versions, modules, fixed_in, after, uses, free_threaded)
-        for name, value in zip(self.__slots__, values):
-            object.__setattr__(self, name, value)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        raise AttributeError(f"PatchSpec is immutable: cannot set {name!r}")
-
-    def __repr__(self) -> str:
-        return f"PatchSpec({', '.join(f'{n}={getattr(self, n)!r}' for n in self.__slots__)})"
+        self._set(id, hazard, summary, upstream, torch_versions, modules, fixed_in, after, uses, free_threaded)
 
 
 class Patch(Protocol):

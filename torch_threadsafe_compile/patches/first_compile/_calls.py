@@ -85,29 +85,24 @@ class GateCall:
 # its own frames only (one dict operation each: atomic with and without the GIL).
 live: dict[types.FrameType, GateCall] = {}
 
-# The gates' code objects (set by ``_gate``, which defines them): main gates by id (the generic one and
-# the own-signature variants, kept alive here, a bounded number), continuation gates.
-MAIN_CODES: dict[int, types.CodeType] = {}
-RESUME_CODES: list[types.CodeType] = []
+# The gates' code objects (set by ``_gate``, which defines them), by id: whether each is a main gate (the
+# generic one and the own-signature variants) or a continuation's. Kept alive here; a bounded number.
+GATE_CODES: dict[int, tuple[types.CodeType, bool]] = {}
 
 
-def add_main_code(code: types.CodeType) -> None:
-    MAIN_CODES[id(code)] = code
+def add_gate_code(code: types.CodeType, main: bool) -> None:
+    GATE_CODES[id(code)] = (code, main)
 
 
 def is_main_gate(code: types.CodeType) -> bool:
     # Identity, not equality: comparing code objects compares their constants, which can be unhashable.
-    return MAIN_CODES.get(id(code)) is code
+    entry = GATE_CODES.get(id(code))
+    return entry is not None and entry[0] is code and entry[1]
 
 
 def is_gate(code: types.CodeType) -> bool:
-    if is_main_gate(code):
-        return True
-    # A loop, not any(...): this runs under dynamo's active callback, where a generator is one more frame.
-    for c in RESUME_CODES:  # noqa: SIM110 - see above
-        if code is c:
-            return True
-    return False
+    entry = GATE_CODES.get(id(code))
+    return entry is not None and entry[0] is code
 
 
 def state(frame: types.FrameType) -> GateCall:
@@ -118,9 +113,9 @@ def state(frame: types.FrameType) -> GateCall:
     if not is_main_gate(frame.f_code):
         call = GateCall(None, resume=True)
     else:
-        # The gate's own closure value, read from its frame (the one place it is kept, so that a warm call
-        # stores nothing); only here, on a cache miss.
-        target: Any = frame.f_locals.get("ttc_target")  # the gate's closure value (``_gate``)
+        # The gate's own closure value (``_gate``), read from its frame: the one place it is kept, so that a
+        # warm call stores nothing. Only here, on a cache miss.
+        target: Any = frame.f_locals.get("ttc_target")
         # A module's call plumbing runs before ``forward``; on its hook-free fast path nothing else does,
         # so a retry repeats nothing. With forward (pre-)hooks registered they would run twice: no retry.
         is_module = target.__class__ is ModuleTarget

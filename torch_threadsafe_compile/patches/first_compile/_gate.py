@@ -176,7 +176,7 @@ def _compile_factory(posonly: tuple[str, ...], args: tuple[str, ...], kwonly: tu
     except Exception:  # source not readable or not ours any more: the generic gate, always correct
         return None
     gate_code = next(c for c in code.co_consts if getattr(c, "co_name", None) == "ttc_gate")
-    _calls.add_main_code(gate_code)
+    _calls.add_gate_code(gate_code, main=True)
     skip_code(gate_code)  # dynamo runs it as it is (see the patch's apply)
     return types.FunctionType(code, _gate_factory.__globals__, "_gate_factory")
 
@@ -221,10 +221,10 @@ def make_resume_gate(resume_fn: Callable[..., Any], wraps: bool = True) -> Calla
 
 
 # The code objects of the two generic gates: dynamo's callback recognises a gated call by them (and by the
-# own-signature variants, ``_calls.add_main_code``).
+# own-signature variants, ``_calls.add_gate_code``).
 GATE_CODE = next(c for c in _gate_factory.__code__.co_consts if getattr(c, "co_name", None) == "ttc_gate")
 # Every name the gate's body uses: a parameter of that name would change what the body means.
 _GATE_NAMES = frozenset(GATE_CODE.co_names + GATE_CODE.co_freevars + GATE_CODE.co_varnames) - {"args", "kwargs"}
 RESUME_GATE_CODE = next(c for c in make_resume_gate.__code__.co_consts if getattr(c, "co_name", None) == "ttc_resume_gate")
-_calls.add_main_code(GATE_CODE)
-_calls.RESUME_CODES.append(RESUME_GATE_CODE)
+_calls.add_gate_code(GATE_CODE, main=True)
+_calls.add_gate_code(RESUME_GATE_CODE, main=False)
