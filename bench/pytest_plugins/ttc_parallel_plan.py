@@ -8,10 +8,19 @@ threads): the two modes would not run the same thing. The bench therefore decide
 with ``TTC_DISABLE=1`` (``BENCH_PARALLEL_PLAN_MODE=write``: the plugin's verdicts go to the JSON file
 ``BENCH_PARALLEL_PLAN``), and both runs use that verdict (``read``). Loaded with ``-p ttc_parallel_plan``;
 written for pytest-run-parallel 0.10 (``_run-parallel`` plugin, ``_is_thread_unsafe``, ``thread_unsafe``).
+
+The collection pass also reads the test's own function. torch's ``TestCase.__init__`` replaces each test
+method by a ``functools.wraps`` wrapper defined in ``torch.testing._internal.common_utils``, and the plugin
+resolves names through the wrapper's globals: a test module's ``from unittest.mock import patch`` is not
+among them, so ``with patch("...config.e_bool", False)`` in 4 threads passed as thread-safe (one thread's
+``mock`` exit deletes the attribute, which hides it from every thread of the process: ``ConfigModule``'s
+``hide`` flag is process-global). When the wrapper is judged safe, the function under ``__wrapped__`` is
+judged too, with the same settings.
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import types
@@ -30,7 +39,12 @@ def _plugin(config: Any) -> Any:
 @pytest.hookimpl(trylast=True)
 def pytest_configure(config: Any) -> None:
     plugin = _plugin(config)
-    if plugin is None or not PLAN or MODE != "read":
+    if plugin is None or not PLAN:
+        return
+    if MODE == "write":
+        _judge_own_function_too(plugin)
+        return
+    if MODE != "read":
         return
     with open(PLAN, encoding="utf-8") as f:
         plan: dict[str, str] = json.load(f)
@@ -38,6 +52,27 @@ def pytest_configure(config: Any) -> None:
     def _is_thread_unsafe(self: Any, item: Any) -> tuple[bool, Any]:
         reason = plan.get(item.nodeid)
         return (reason is not None, reason and f"{reason} (decided with TTC_DISABLE=1)")
+
+    plugin._is_thread_unsafe = types.MethodType(_is_thread_unsafe, plugin)
+
+
+def _judge_own_function_too(plugin: Any) -> None:
+    """Write mode: a test the plugin judges safe through a wrapper is judged again through the function it wraps."""
+    from pytest_run_parallel.thread_unsafe_detection import identify_thread_unsafe_nodes
+
+    judge = plugin._is_thread_unsafe
+
+    def _is_thread_unsafe(self: Any, item: Any) -> tuple[bool, Any]:
+        unsafe, reason = judge(item)
+        if unsafe:
+            return unsafe, reason
+        own = inspect.unwrap(getattr(item, "obj", None))
+        if own is None or own is item.obj:
+            return unsafe, reason
+        unsafe, reason = identify_thread_unsafe_nodes(
+            own, self.skipped_functions, self.mark_warnings_as_unsafe, self.mark_ctypes_as_unsafe,
+            self.mark_hypothesis_as_unsafe)
+        return unsafe, reason and f"{reason} (in the test's own function)"
 
     plugin._is_thread_unsafe = types.MethodType(_is_thread_unsafe, plugin)
 
