@@ -122,6 +122,18 @@ def test_h6_patches_stay_in_their_thread_and_follow_the_main_thread_after() -> N
     assert on["alias_seen_by_new_thread"] in (40, None) and off["main_hash_unchanged_by_child"] and on["main_hash_unchanged_by_child"]
 
 
+@pytest.mark.skipif(TV < Version("2.12"), reason="H6 needs torch >= 2.12 (ContextVar config overrides)")
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_h6_in_a_child_forked_from_a_worker_thread() -> None:
+    """patch config_overrides: in a child forked by a worker thread, that thread still reads the parent
+    program's configuration, and, being the child's main thread, its own assignment reaches the threads the
+    child starts."""
+    off, on = pair("config_after_fork_from_thread")
+    assert off["child_exit"] == 0 and off["default"] not in (32, 64)
+    assert off["child_main_sees"] == off["default"] and off["child_thread_sees"] == off["default"]  # the hazard
+    assert on["child_exit"] == 0 and on["child_main_sees"] == 64 and on["child_thread_sees"] == 32
+
+
 @pytest.mark.skipif(TV >= Version("2.12"), reason="H5 (dynamic flags) fixed upstream in torch 2.12 (config patches are per-thread)")
 def test_h5_dynamic_flags_stay_in_the_calling_thread() -> None:
     """patch dynamic_flags: calls of a dynamic=True function do not change the shape flags other threads see."""

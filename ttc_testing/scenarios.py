@@ -11,6 +11,7 @@ it is imported from the source tree (the repository root on ``sys.path``).
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import sys
 import threading
@@ -1054,6 +1055,60 @@ def first_import(threads: int = 16) -> dict[str, Any]:
                      or "partially initialized module" in e]
     return {"threads": threads, "errors": len(errors), "import_errors": len(import_errors),
             "kinds": sorted(set(e.split(":")[0] for e in errors)), "first_error": (import_errors or errors or [""])[0]}
+
+
+@scenario
+def config_after_fork_from_thread(child_timeout: float = 60.0) -> dict[str, Any]:
+    """H6 in a child that a worker thread forked. The parent's main thread set ``recompile_limit = 64``
+    first: the forking thread reads it in the child as it did before the fork (``child_main_sees``). The
+    forking thread is the child's main thread, so its ``recompile_limit = 32`` is the program's configuration
+    there and must reach a thread the child starts (``child_thread_sees``; None: the child failed or hung)."""
+    import signal
+
+    import torch
+    import torch._dynamo
+
+    cfg = torch._dynamo.config
+    name = "recompile_limit" if "recompile_limit" in cfg._config else "cache_size_limit"
+    out: dict[str, Any] = {"default": getattr(cfg, name), "child_main_sees": None, "child_thread_sees": None}
+    setattr(cfg, name, 64)  # the program's configuration, in the parent's main thread
+    rfd, wfd = os.pipe()
+
+    def forker() -> None:
+        pid = os.fork()
+        if pid == 0:
+            code = 3
+            try:
+                before = getattr(cfg, name)
+                setattr(cfg, name, 32)  # in the child's main thread, as its program would
+                box: list[Any] = []
+                t = threading.Thread(target=lambda: box.append(getattr(cfg, name)))
+                t.start()
+                t.join(30)
+                os.write(wfd, json.dumps([before, box[0] if box else None]).encode())
+                code = 0
+            finally:
+                os._exit(code)
+        end = time.monotonic() + child_timeout
+        while time.monotonic() < end:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                out["child_exit"] = os.waitstatus_to_exitcode(status)
+                return
+            time.sleep(0.05)
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        out["child_exit"] = None
+
+    t = threading.Thread(target=forker)
+    t.start()
+    t.join()
+    os.close(wfd)
+    data = os.read(rfd, 100)
+    os.close(rfd)
+    if data:
+        out["child_main_sees"], out["child_thread_sees"] = json.loads(data)
+    return out
 
 
 @scenario

@@ -51,7 +51,11 @@ _PATCH_METHODS = ("__enter__", "__exit__")  # ConfigPatch's, in _config_module.p
 
 # The kind of the outermost config write under way in this thread: an alias assignment writes its target
 # through a nested __setattr__, which must count as the same kind.
-_mode = threading.local()
+class _Mode(threading.local):
+    kind: str | None = None  # a class default: a thread's first read costs no AttributeError
+
+
+_mode = _Mode()
 
 
 class _Layered:
@@ -96,6 +100,9 @@ class _Layered:
 
 
 _UNSET: list[Any] = []  # [_UNSET_SENTINEL], filled by apply()
+# The thread whose context holds the process-wide assignments: the main thread. Kept as is in a child
+# forked by another thread: the forking thread's context has none of them, so it reads them as any other
+# thread does (its own writes there are process-wide: it is the child's main thread, _is_main_thread).
 _MAIN = [threading.main_thread().ident]
 _ABSENT = object()
 # Per context: for each ConfigPatch entry, whether the key had no value of its own in this context before.
@@ -174,10 +181,10 @@ def _own_value(module: Any, name: str) -> None:
 def _write(self: Any, name: str, kind: str, upstream: Any, *args: Any) -> None:
     """Run upstream's ``__setattr__``/``__delattr__`` and apply the rule of the module docstring."""
     config = self.__dict__.get("_config")
-    outer = getattr(_mode, "kind", None)
     if config is None or name not in config:
         upstream(self, name, *args)
         return
+    outer = _mode.kind
     kind = outer or kind
     _mode.kind = kind
     try:
@@ -192,6 +199,16 @@ def _write(self: Any, name: str, kind: str, upstream: Any, *args: Any) -> None:
             _make_process_wide(self, name, args[0] if args else _UNSET[0])
     finally:
         _mode.kind = outer
+
+
+def _own_write(frame: Any) -> bool:
+    """The common case, told cheaply: a write by a thread other than the main one, from outside
+    ``_config_module`` (not a ``config.patch``), with no write of another kind under way in this thread
+    (an alias's nested write comes from ``_config_module``, which ``_kind_of_write`` calls local too). It is
+    the thread's own, exactly as upstream, and the wrappers run upstream's write at once: time added there
+    also widens upstream's own window in which another thread's read fails (``unittest.mock``'s exit deletes
+    a key, which ``ConfigModule`` hides from every thread until the exit assigns it again)."""
+    return _mode.kind is None and not frame.f_code.co_filename.endswith(_CONFIG_MODULE_FILE) and not _is_main_thread()
 
 
 def _kind_of_write(frame: Any, module: Any, name: str) -> str:
@@ -233,11 +250,23 @@ def apply(changes: Changes) -> dict[str, Any]:
     # cost ~6 ms; functools.wraps keeps name, docs and __wrapped__.
     @functools.wraps(orig_setattr)
     def __setattr__(self: Any, name: str, value: object) -> None:
-        _write(self, name, _kind_of_write(sys._getframe(1), self, name), orig_setattr, value)
+        frame = sys._getframe(1)
+        if _own_write(frame):
+            orig_setattr(self, name, value)
+            if _restored.get():
+                _own_value(self, name)
+            return
+        _write(self, name, _kind_of_write(frame, self, name), orig_setattr, value)
 
     @functools.wraps(orig_delattr)
     def __delattr__(self: Any, name: str) -> None:
-        _write(self, name, _kind_of_write(sys._getframe(1), self, name), orig_delattr)
+        frame = sys._getframe(1)
+        if _own_write(frame):
+            orig_delattr(self, name)
+            if _restored.get():
+                _own_value(self, name)
+            return
+        _write(self, name, _kind_of_write(frame, self, name), orig_delattr)
 
     changes.setattr(cls, "__setattr__", __setattr__)
     changes.setattr(cls, "__delattr__", __delattr__)
