@@ -178,6 +178,9 @@ ROWS += [
     Row("compile_rng_rollback", "H7", "compiles set the generators back over another thread's draws (repeated numbers)",
         "compile_rng_rollback", {"compiles": 6}, "rng_rollback", lambda r: r["repeats"] > 0,
         lambda r: f"{_n(r['repeats'])} repeats in {_n(r['draws'])} draws", ("repeats", "draws")),
+    Row("compile_rng_rollback_python", "H7", "compiles set Python's random back over another thread's draws "
+        "(repeated numbers)", "compile_rng_rollback", {"compiles": 6, "source": "python"}, "rng_rollback",
+        lambda r: r["repeats"] > 0, lambda r: f"{_n(r['repeats'])} repeats in {_n(r['draws'])} draws", ("repeats", "draws")),
     Row("lazy_recompile_race", "H7", "first calls of one lazily compiled GraphModule from 8 threads (broken code)",
         "lazy_recompile_race", {"rounds": 40, "threads": 8}, "lazy_recompile",
         lambda r: r["errors"] + r["wrong"] > 0, lambda r: f"{_n(r['errors'] + r['wrong'])} failed of {_n(r['calls'])}",

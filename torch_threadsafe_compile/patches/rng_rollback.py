@@ -11,14 +11,20 @@ one thread drawing ``torch.rand(4)`` while the main thread compiles six small fu
 ``aot_eager`` drew ~500 tensors twice; on the H200 (torch 2.11, inductor, CUDA graphs) 23,667 of 47,619
 draws of four threads were repeats while a fifth thread compiled and trained.
 
+Up to torch 2.11 ``preserve_global_state`` also sets Python's ``random`` module back
+(``random.setstate``): another thread's ``random.random()`` draws repeat the same way. From 2.12 torch's
+C++ frame evaluation does that, out of this patch's reach (docs/hazards.md, H7).
+
 The patch rewrites the restore calls of both functions (``torch.random.set_rng_state(...)``,
-``torch.cuda.set_rng_state(...)``, ``torch.xpu.set_rng_state(...)``) to go through one helper that restores
-only while the program has no threads of its own (``_torch.program_threads_started``). A single-threaded
+``torch.cuda.set_rng_state(...)``, ``torch.xpu.set_rng_state(...)``, ``random.setstate(...)``) to go through
+one helper that restores only while the program has no threads of its own (``_torch.program_threads_started``). A single-threaded
 program keeps upstream's behaviour exactly. In a threaded one, what the compile itself drew (inductor's
 autotuning inputs; tracing uses fake tensors and draws nothing) stays drawn instead of being handed out a
 second time. The function objects are kept (importers hold ``preserve_rng_state`` by name; dynamo's
 ``trace_frame`` is the decorated function): only their code changes, compiled from torch's own source
-after proving that source is the running code.
+after proving that source is the running code. Up to torch 2.8 the decorated function is ``transform``,
+defined inside ``_compile`` and decorated on every call: there the rewritten ``preserve_global_state`` is
+all it takes.
 
 Upstream: pytorch/pytorch#105943 (PT2 is not thread safe); no issue on the rollback itself was found.
 """
@@ -26,6 +32,7 @@ Upstream: pytorch/pytorch#105943 (PT2 is not thread safe); no issue on the rollb
 from __future__ import annotations
 
 import ast
+import inspect
 import types
 from typing import Any, Callable
 
@@ -56,8 +63,19 @@ def _restore_rng(setter: Callable[[Any], Any], state: Any) -> Any:
 _restore_rng._ttc_injected = True  # type: ignore[attr-defined]  # Changes.inject may replace a lingering copy
 
 
+def _is_restore(f: ast.expr) -> bool:
+    """``torch.<random|cuda|xpu>.set_rng_state`` or ``random.setstate`` (Python's generator)."""
+    if not isinstance(f, ast.Attribute):
+        return False
+    if f.attr == "setstate":
+        return isinstance(f.value, ast.Name) and f.value.id == "random"
+    return (f.attr == "set_rng_state" and isinstance(f.value, ast.Attribute) and f.value.attr in RNG_MODULES
+            and isinstance(f.value.value, ast.Name) and f.value.value.id == "torch")
+
+
 class _RestoreCalls(ast.NodeTransformer):
-    """``torch.cuda.set_rng_state(s)`` -> ``_ttc_restore_rng(torch.cuda.set_rng_state, s)`` (and random, xpu)."""
+    """``torch.cuda.set_rng_state(s)`` -> ``_ttc_restore_rng(torch.cuda.set_rng_state, s)`` (and random, xpu,
+    and Python's ``random.setstate(s)``)."""
 
     def __init__(self) -> None:
         self.hits = 0
@@ -65,16 +83,7 @@ class _RestoreCalls(ast.NodeTransformer):
     def visit_Call(self, node: ast.Call) -> ast.AST:
         self.generic_visit(node)
         f = node.func
-        if (
-            isinstance(f, ast.Attribute)
-            and f.attr == "set_rng_state"
-            and isinstance(f.value, ast.Attribute)
-            and f.value.attr in RNG_MODULES
-            and isinstance(f.value.value, ast.Name)
-            and f.value.value.id == "torch"
-            and len(node.args) == 1
-            and not node.keywords
-        ):
+        if _is_restore(f) and len(node.args) == 1 and not node.keywords:
             self.hits += 1
             return ast.copy_location(ast.Call(func=ast.Name(id=HELPER, ctx=ast.Load()), args=[f, node.args[0]], keywords=[]), node)
         return node
@@ -93,13 +102,20 @@ def _targets() -> tuple[types.FunctionType, types.FunctionType, list[types.Funct
     return pgs, prs, decorated
 
 
+def _applied_on_each_compile(convert_frame: types.ModuleType) -> bool:
+    """Whether a function of ``convert_frame`` applies ``preserve_global_state`` when it runs (torch ≤ 2.8:
+    ``_compile`` decorates its nested ``transform`` on every call)."""
+    return any("preserve_global_state" in _names(inspect.unwrap(f).__code__) for f in vars(convert_frame).values()
+               if isinstance(f, types.FunctionType) and f.__module__ == convert_frame.__name__)
+
+
 def check() -> str | None:
     try:
         pgs, prs, decorated = _targets()
     except (LookupError, AttributeError) as e:
         return str(e)
-    if not decorated:
-        return "no function decorated with preserve_global_state found in torch._dynamo.convert_frame"
+    if not decorated and not _applied_on_each_compile(loaded(SPEC.modules[0])):
+        return "preserve_global_state is neither applied to a function nor called in torch._dynamo.convert_frame"
     for fn in (pgs, prs):
         if "set_rng_state" not in _names(fn.__code__):
             return f"{fn.__qualname__} restores no generator state"
