@@ -25,6 +25,16 @@ forgets; export compiles with ``automatic_dynamic_shapes=False``, so its graphs 
 invalidated entries stay in the list (a failed check costs a pointer test) until ``torch._dynamo.reset()``.
 ``torch._dynamo.reset()`` and ``reset_code_caches()`` themselves are serialised against gated calls by
 ``first_compile`` (H3).
+
+The compile count restarts, as after upstream's reset: dynamo numbers a code object's compiles per frame id
+(``frame_state["_id"]``, kept in the code's ``ExtraState``) and refuses a compile once that number reaches
+``accumulated_recompile_limit`` (256), even when the cache does not grow. Upstream's reset drops the frame
+state, so the next compile takes a new frame id counted from 0; the soft reset keeps it, and a function
+exported ~128 times beside threads calling it (export and the next call compile it once each) failed
+(``FailOnRecompileLimitHit``, measured on 2.13 and 2.15: 125–564 failed exports and calls in 6 s of
+``export_beside_calls``). So the frame ids of the reset entries are noted, and dynamo's ``get_compile_id``
+gives such a frame a new id on its next compile (where that function exists, torch 2.9 on); before 2.9,
+where the id is computed inline, the frame's count is set back to 0 instead (compile ids then repeat).
 """
 
 from __future__ import annotations
@@ -40,7 +50,9 @@ from torch_threadsafe_compile.registry import SPECS
 
 SPEC = SPECS["code_reset"]
 
-_stats = {"soft_resets": 0, "entries_invalidated": 0}
+_stats = {"soft_resets": 0, "entries_invalidated": 0, "fresh_frame_ids": 0}
+# Frame ids of soft-reset code objects whose next compile must start a new count (see the docstring).
+_fresh_ids: set[int] = set()
 _marker: list[type] = []  # the DeletedGuardManagerWrapper subclass that marks our invalidations
 
 
@@ -59,7 +71,34 @@ def _soft_reset(code: Any, lister: Any) -> None:
         _graveyard.keep((gm,), others)
         extra.invalidate(entry, marker("Cache line invalidated by reset_code while other threads ran"))
         _stats["entries_invalidated"] += 1
+        _restart_count(getattr(getattr(entry, "compile_id", None), "frame_id", None))
     _stats["soft_resets"] += 1
+
+
+def _restart_count(frame_id: Any) -> None:
+    if not isinstance(frame_id, int):
+        return
+    cf = sys.modules.get("torch._dynamo.convert_frame")
+    if cf is not None and isinstance(getattr(cf, "get_compile_id", None), _FreshIds):
+        _fresh_ids.add(frame_id)
+    elif cf is not None and hasattr(getattr(cf, "FRAME_COMPILE_COUNTER", None), "__setitem__"):
+        cf.FRAME_COMPILE_COUNTER[frame_id] = 0
+
+
+class _FreshIds:
+    """``convert_frame.get_compile_id`` that gives a soft-reset frame a new frame id, as upstream's reset does
+    by dropping the frame state (upstream then assigns ``_id`` afresh)."""
+
+    def __init__(self, original: Any) -> None:
+        self.__wrapped__ = original
+        self.__name__ = getattr(original, "__name__", "get_compile_id")
+        self.__doc__ = getattr(original, "__doc__", None)
+
+    def __call__(self, frame_state: Any, *args: Any, **kwargs: Any) -> Any:
+        if _fresh_ids and isinstance(frame_state, dict) and frame_state.get("_id") in _fresh_ids:
+            _fresh_ids.discard(frame_state.pop("_id"))
+            _stats["fresh_frame_ids"] += 1
+        return self.__wrapped__(frame_state, *args, **kwargs)
 
 
 def _make_reset_code(original: Any, lister: Any) -> Any:
@@ -142,6 +181,8 @@ def apply(changes: Changes) -> dict[str, Any]:
     changes.setattr(ef, "reset_code", _make_reset_code(ef.reset_code, lister))
     cf = loaded("torch._dynamo.convert_frame")
     changes.setattr(cf, "compute_cache_size", _make_cache_size(cf.compute_cache_size, lister))
+    if callable(getattr(cf, "get_compile_id", None)):
+        changes.setattr(cf, "get_compile_id", _FreshIds(cf.get_compile_id))
     return {}
 
 
