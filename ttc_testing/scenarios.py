@@ -758,13 +758,27 @@ def reset_pipeline(steps: int = 3, backend: str = "aot_eager") -> dict[str, Any]
     return res
 
 
+def _wait_child(pid: int, timeout: float) -> int | None:
+    """The exit code of forked child ``pid``, or None when it had not ended after ``timeout`` s (then it is
+    killed): a hung child fails the scenario instead of hanging it."""
+    import signal
+
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    return None
+
+
 @scenario
 def fork_during_reset(child_timeout: float = 30.0) -> dict[str, Any]:
     """A reset waits for a thread inside a compiled call, and the process forks meanwhile. The child has only
     the forking thread: its compiled calls and a reset of its own must go through (issue 28: the child used
     to wait forever at the package's closed reset barrier). ``child_exit`` None: the child hung and was killed."""
-    import signal
-
     import torch
     import torch._dynamo
     import torch._dynamo.convert_frame as cf
@@ -802,17 +816,7 @@ def fork_during_reset(child_timeout: float = 30.0) -> dict[str, Any]:
         torch._dynamo.reset()
         ok = ok and bool(torch.equal(f(torch.ones(2)), want))
         os._exit(0 if ok else 3)
-    child = None
-    end = time.monotonic() + child_timeout
-    while time.monotonic() < end:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            child = os.waitstatus_to_exitcode(status)
-            break
-        time.sleep(0.05)
-    if child is None:
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
+    child = _wait_child(pid, child_timeout)
     release.set()
     worker.join(30)
     resetter.join(30)
@@ -1081,8 +1085,6 @@ def config_after_fork_from_thread(child_timeout: float = 60.0) -> dict[str, Any]
     first: the forking thread reads it in the child as it did before the fork (``child_main_sees``). The
     forking thread is the child's main thread, so its ``recompile_limit = 32`` is the program's configuration
     there and must reach a thread the child starts (``child_thread_sees``; None: the child failed or hung)."""
-    import signal
-
     import torch
     import torch._dynamo
 
@@ -1107,16 +1109,7 @@ def config_after_fork_from_thread(child_timeout: float = 60.0) -> dict[str, Any]
                 code = 0
             finally:
                 os._exit(code)
-        end = time.monotonic() + child_timeout
-        while time.monotonic() < end:
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                out["child_exit"] = os.waitstatus_to_exitcode(status)
-                return
-            time.sleep(0.05)
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-        out["child_exit"] = None
+        out["child_exit"] = _wait_child(pid, child_timeout)
 
     t = threading.Thread(target=forker)
     t.start()
