@@ -416,33 +416,62 @@ def dynamic_flag_poll(seconds: float = 2.0) -> dict[str, Any]:
 
 
 @scenario
-def export_flag_poll(seconds: float = 3.0) -> dict[str, Any]:
+def export_flag_poll(seconds: float = 3.0, handshakes: int = 5) -> dict[str, Any]:
     """H7 (export flag): one thread runs torch.export in a loop; another polls torch.compiler.is_exporting()
-    and calls torch.compile(fn), which upstream returns ``fn`` itself (uncompiled) while any thread exports."""
+    and calls torch.compile(fn), which upstream returns ``fn`` itself (uncompiled) while any thread exports.
+
+    Free polling alone depends on the scheduler (on a loaded 2-core machine a 3 s run can miss every
+    export), so the first ``handshakes`` exports also stop inside ``forward`` (non-strict export runs it with
+    the flag set) until the poller has polled once: the overlap is certain, the answer is not forced."""
+    import queue
+
     import torch
+
+    requests: queue.Queue[threading.Event] = queue.Queue()
+    seen = {"polls": 0, "true": 0, "raw_returned": 0, "exports": 0, "handshakes": 0}
+    exporting_thread: list[threading.Thread] = []
 
     class M(torch.nn.Module):
         def forward(self, x: Any) -> Any:
+            if exporting_thread and threading.current_thread() is exporting_thread[0] and seen["handshakes"] < handshakes:
+                seen["handshakes"] += 1
+                done = threading.Event()
+                requests.put(done)
+                done.wait(5.0)
             return x.relu() + 1
 
     m, x = M(), torch.randn(3, 8)
     torch.export.export(m, (x,), strict=False)  # warm: imports and first-time registrations
     stop = time.monotonic() + seconds
-    seen = {"polls": 0, "true": 0, "raw_returned": 0, "exports": 0}
+    deadline = stop + 30.0  # the handshakes may outlast ``seconds`` on a slow machine, never by much
+    answered = [0]
+
+    def more() -> bool:
+        now = time.monotonic()
+        return now < stop or (answered[0] < handshakes and now < deadline)
 
     def exporter() -> None:
-        while time.monotonic() < stop:
+        exporting_thread.append(threading.current_thread())
+        while more():
             torch.export.export(m, (x,), strict=False)
             seen["exports"] += 1
 
     def poller() -> None:
         fn = lambda t: t * 2  # noqa: E731
-        while time.monotonic() < stop:
+        while more():
+            try:
+                asked: threading.Event | None = requests.get_nowait()
+            except queue.Empty:
+                asked = None
             seen["polls"] += 1
             if torch.compiler.is_exporting():
                 seen["true"] += 1
-            if seen["polls"] % 50 == 0 and torch.compile(fn, backend="eager") is fn:
+            if (asked is not None or seen["polls"] % 50 == 0) and torch.compile(fn, backend="eager") is fn:
                 seen["raw_returned"] += 1
+            if asked is not None:
+                answered[0] += 1
+                asked.set()
+        seen["answered"] = answered[0]
 
     import warnings
 
