@@ -152,7 +152,7 @@ def _helper_thread(t: threading.Thread) -> bool:
 
 def program_threads_started() -> bool:
     """Whether the program has started a ``threading`` thread besides the main thread that is alive: then
-    another thread may draw random numbers at any moment. torch's own C++ threads (autograd workers) are not
+    another thread may draw random numbers, or hold a lock, at any moment. torch's own C++ threads (autograd workers) are not
     ``threading`` threads; dummies (foreign threads that asked for ``current_thread()``) and library helper
     threads (HELPER_THREAD_MODULES) do not count. Reads ``threading._active`` without creating a dummy."""
     main, dummy = threading.main_thread(), threading._DummyThread  # type: ignore[attr-defined]

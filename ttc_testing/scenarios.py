@@ -1335,13 +1335,16 @@ def aot_compile_main() -> dict[str, Any]:
 
 
 @scenario
-def backward_lock_wait(worker: int = 1, hold_s: float = 5.0) -> dict[str, Any]:
+def backward_lock_wait(worker: int = 1, hold_s: float = 5.0, threads_first: int = 1) -> dict[str, Any]:
     """H4's two halves on a CPU: a compiled graph whose backward compiler takes ``compile_lock`` (as inductor's
     does from torch 2.6); another thread holds that lock (as a thread tracing flex_attention's backward does
     while it waits for the autograd engine). Does this thread's backward finish within ``hold_s``?
 
     ``worker=1`` makes the package treat the CPU as a device whose backward runs on an autograd worker thread
-    (as CUDA's does), so that ``lazy_backward`` acts as it would on a GPU; unpatched it changes nothing."""
+    (as CUDA's does), so that ``lazy_backward`` acts as it would on a GPU; unpatched it changes nothing.
+    ``threads_first=1``: the program has started a thread of its own before the compile (the lock holder
+    below starts after it), as a multi-threaded program has; 0: the compile runs in a single-threaded
+    program."""
     import torch
     import torch._dynamo
     import torch._dynamo.convert_frame as cf
@@ -1370,7 +1373,11 @@ def backward_lock_wait(worker: int = 1, hold_s: float = 5.0) -> dict[str, Any]:
 
     f = torch.compile(lambda x: (x * 3).sin().sum(), backend=aot_autograd(fw_compiler=fw, bw_compiler=bw))
     x = torch.randn(8, requires_grad=True)
+    idle = threading.Event()
+    if threads_first:
+        threading.Thread(target=idle.wait, args=(120,), daemon=True).start()
     y = f(x)
+    idle.set()
     compiled_with_forward = "bw" in events
     held, release, done = threading.Event(), threading.Event(), threading.Event()
 

@@ -8,11 +8,21 @@ that same worker thread. Each waits for the other: the seed trainer hung in 3 of
 
 Fix: compile the backward inside the forward compile, in the thread that already holds the lock, so the
 autograd worker never needs the lock (0 of 5 runs hung). This patch does it **per compile, and only where
-the hazard can happen**: when an input of the compiled graph lives on a device whose backward runs on an
-autograd worker thread (anything but the CPU). A CPU backward runs in the thread that called
-``backward()``, which never holds the lock while it waits for the engine, so CPU programs pay nothing (an
-inference server whose model is in ``eval()`` without ``no_grad`` would otherwise compile backwards it
-never runs). No config value changes anywhere.
+the hazard can happen**:
+
+* an input of the compiled graph lives on a device whose backward runs on an autograd worker thread
+  (anything but the CPU). A CPU backward runs in the thread that called ``backward()``, which never holds
+  the lock while it waits for the engine, so CPU programs pay nothing (an inference server whose model is
+  in ``eval()`` without ``no_grad`` would otherwise compile backwards it never runs);
+* and the program has started threads of its own (``_torch.program_threads_started``) when the graph is
+  compiled. The inversion needs a second program thread that holds the lock; a single-threaded program
+  keeps upstream's lazy backward exactly (its compile counters, FX-graph-cache hits and misses and
+  CUDA-graph ids: upstream's ``test_cudagraph_trees.py`` counts them).
+
+Limit: a graph compiled before the program started its threads keeps the lazy backward; if its first
+backward runs later, while another thread holds ``compile_lock`` and waits for the same device's autograd
+worker, the inversion can still happen (``compile_lock_watchdog`` reports it). Run one forward and backward
+before starting the threads, or compile in the threads. No config value changes anywhere.
 
 Per version (kept apart, gevent style):
 
@@ -38,7 +48,7 @@ from typing import Any, Callable
 
 from torch_threadsafe_compile._journal import Changes
 from torch_threadsafe_compile._rewrite import rewrite_function
-from torch_threadsafe_compile._torch import config_entries, config_unset, loaded
+from torch_threadsafe_compile._torch import config_entries, config_unset, loaded, program_threads_started
 from torch_threadsafe_compile.registry import SPECS
 
 SPEC = SPECS["lazy_backward"]
@@ -75,6 +85,12 @@ def on_worker_device(values: Any) -> bool:
     return any(isinstance(v, torch.Tensor) and v.device.type not in BACKWARD_IN_CALLING_THREAD for v in values)
 
 
+def needs_eager_backward(values: Any) -> bool:
+    """Whether a graph with these inputs compiled now could meet H4: a backward on an autograd worker
+    thread, and other program threads that may hold ``compile_lock`` meanwhile."""
+    return on_worker_device(values) and program_threads_started()
+
+
 def _has_switch() -> bool:
     """torch >= 2.9: ``prepare_aot_module_simplified`` takes the switch (its config option exists from 2.10)."""
     fn = getattr(loaded(SPEC.modules[0]), TARGET, None)
@@ -90,7 +106,7 @@ def _apply_switch(changes: Changes) -> None:
 
     @functools.wraps(original)
     def prepare_aot_module_simplified(*args: Any, **kwargs: Any) -> Any:
-        if not kwargs.get(OPTION) and len(args) > 1 and not _program_setting() and on_worker_device(args[1]):
+        if not kwargs.get(OPTION) and len(args) > 1 and not _program_setting() and needs_eager_backward(args[1]):
             kwargs[OPTION] = True
             stats["eager_backward_graphs"] += 1
         return original(*args, **kwargs)
@@ -142,7 +158,7 @@ def _check_rewrite() -> str | None:
 
 
 def _eager_backward(flat_args: Any) -> bool:
-    if on_worker_device(flat_args):
+    if needs_eager_backward(flat_args):
         stats["eager_backward_graphs"] += 1
         return True
     return False
