@@ -80,6 +80,7 @@ originals = {
 }
 for name in ("__init__", "run_eager", "record_function", "get_curr_generation", "user_invoked_mark_step"):
     originals[name] = (mgr, name, mgr.__dict__[name])
+originals["clear"] = (cgt.GenerationTracker, "clear", cgt.GenerationTracker.__dict__["clear"])
 
 sync, sync_code = torch.cuda.synchronize, torch.cuda.synchronize.__code__
 out["check"] = mod.check()
@@ -362,6 +363,68 @@ def test_h7_revert_is_exact(facts: dict) -> None:
     assert facts["is_patched_after_revert"] is False
     assert facts["kept_after_revert"] is True  # upstream's lookup finds the thread's containers
     assert facts["new_thread_after_revert"] == ["err", "AssertionError"]
+
+
+IMPORTING_THREAD = r"""
+import json, threading, torch, torch._dynamo
+import torch._inductor.cudagraph_trees as cgt
+from torch._dynamo.mutation_guard import GenerationTracker
+
+gen = cgt.CUDAGraphTreeManager.get_curr_generation
+f = torch.compile(lambda x: x + 1, backend="eager")
+x = torch.ones(2)
+seen = []
+
+
+def step(label, action):
+    action()
+    seen.append([label, gen(), cgt.CUDAGraphTreeManager.user_invoked_mark_step()])
+
+
+torch._dynamo.reset()
+step("reset", lambda: None)
+step("compiled call", lambda: f(x))
+step("compiled call", lambda: f(x))
+frozen = torch._dynamo.run(f)
+step("torch._dynamo.run entry", lambda: frozen(x))  # RunOnlyContext moves upstream's counter directly
+step("set by the program", lambda: setattr(GenerationTracker, "generation", GenerationTracker.generation - 1))
+step("mark_step_begin", cgt.mark_step_begin)
+step("reset_cudagraph_trees", cgt.reset_cudagraph_trees)
+if THREADS:
+    before = gen()
+
+    def other():
+        for _ in range(5):
+            f(x)  # another thread's compiled calls and mark-step: not the importing thread's invocations
+        cgt.mark_step_begin()
+
+    t = threading.Thread(target=other)
+    t.start()
+    t.join()
+    seen.append(["other thread's calls moved it", gen() != before])
+step("compiled call", lambda: f(x))
+step("torch._dynamo.reset()", torch._dynamo.reset)
+step("compiled call", lambda: f(x))
+print("RESULT " + json.dumps(seen))
+"""
+
+
+@pytest.mark.skipif(not IN_RANGE, reason="the patch covers torch 2.4-2.12")
+def test_h7_importing_thread_reads_upstreams_generation() -> None:
+    """Do no harm: the importing thread's trees see exactly upstream's generation and mark-step, also where
+    something moves upstream's counter without a compiled call (``torch._dynamo.run``'s entries, a program
+    or test setting ``GenerationTracker.generation``, ``torch._dynamo.reset()``). Counting that thread's
+    calls itself missed those: upstream's test_cudagraph_trees.py ``test_frozen_fn`` and
+    ``test_checkpointing_resets_persistent_refs`` failed only with the package (GPU, torch 2.11). With
+    another thread's compiled calls in between, the importing thread's value does not move (active)."""
+    off = _result(run_py("THREADS = False\n" + IMPORTING_THREAD, env={"TTC_DISABLE": "1"}, timeout=240))
+    on = _result(run_py("THREADS = False\n" + IMPORTING_THREAD, timeout=240))
+    assert on == off, (on, off)
+    threaded = _result(run_py("THREADS = True\n" + IMPORTING_THREAD, timeout=240))
+    assert ["other thread's calls moved it", False] in threaded, threaded
+    assert [r for r in threaded if len(r) == 3] == off, (threaded, off)  # the same values around them
+    moved = _result(run_py("THREADS = True\n" + IMPORTING_THREAD, env={"TTC_DISABLE": "1"}, timeout=240))
+    assert ["other thread's calls moved it", True] in moved  # upstream: the hazard this keeps out
 
 
 @pytest.mark.skipif(not IN_RANGE, reason="the patch covers torch 2.4-2.12")

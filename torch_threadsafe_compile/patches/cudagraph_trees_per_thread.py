@@ -43,8 +43,13 @@ upstream's containers, one callable per graph, the same generations; the added l
   outputs of the previous one may be overwritten) by comparing a process-wide counter that every compiled
   call in *any* thread increments; ``cudagraph_mark_step_begin()`` is process-wide too. Another thread's
   calls would start new generations in the middle of this thread's invocation (between a forward and the
-  graph after a graph break) and free outputs it still needs. Each owner counts the compiled calls made
-  by its own thread and its own mark-steps; the fallback owner keeps upstream's global counter.
+  graph after a graph break) and free outputs it still needs. A thread given containers by the patch counts
+  the compiled calls made by its own thread and its own mark-steps. The importing thread keeps upstream's
+  counters themselves (``GenerationTracker.generation``, ``MarkStepBox``), less the compiled calls that
+  other threads added to the first: what moves that counter directly (``torch._dynamo.run``'s entries,
+  ``GenerationTracker.clear()`` in ``torch._dynamo.reset()``, a program or test that sets it) acts exactly
+  as upstream, and a single-threaded program reads upstream's values unchanged. Other threads' mark-steps
+  stay theirs. The fallback owner keeps upstream's global counter.
 * **Memory at thread end.** When a thread that got containers from the patch ends, its tree managers are
   shut down (as ``reset_cudagraph_trees`` does for the calling thread), its tensors from CUDA graphs are
   invalidated (accessing one raises upstream's "overwritten by a subsequent run" error instead of reading
@@ -60,7 +65,8 @@ upstream's containers, one callable per graph, the same generations; the added l
 Limits: a thread's CUDA-graph outputs must not be used after the thread ended (clone them first), as they
 must not be used after that thread's next call upstream. ``reset_cudagraph_trees`` (``torch._dynamo.reset``)
 still switches torch's cached-tensor flag off process-wide. Entries made through ``torch._dynamo.run``
-do not count as new invocations for the per-owner generation. When a graph's backward is not
+count as new invocations for the importing thread only (they move upstream's counter without a hook):
+in the importing thread, as upstream, also when another thread made them. When a graph's backward is not
 cudagraph-able, inductor binds it to the compiling thread's tree manager (``maybe_handle_backward_generation``):
 that path is not covered. A backward should be started by a thread that has run a CUDA-graph function
 (normally the one that ran the forward); otherwise it is recorded in the shared fallback tree. Revert
@@ -208,6 +214,13 @@ class _Runtime:
         self.exiting: list[int] = []  # native ids of ended threads whose OS thread may still be exiting
         self.stats = {"threads": 0, "threads_ended": 0, "managers_shut_down": 0, "end_errors": 0, "fallback_uses": 0}
         self.original_get_curr_generation: Callable[[], int] = cgt.CUDAGraphTreeManager.__dict__["get_curr_generation"].__func__
+        # The importing thread's generation is upstream's counter less what other threads' compiled calls
+        # added to it; both change together under this lock (a reader between the two would see a new
+        # invocation that did not happen).
+        self.tracker = cgt.GenerationTracker
+        self.mark_step_box = cgt.MarkStepBox
+        self.foreign = 0
+        self.foreign_lock = threading.Lock()
         self.original_user_invoked_mark_step: Callable[[], bool] = cgt.CUDAGraphTreeManager.__dict__["user_invoked_mark_step"].__func__
 
     # -- owners ---------------------------------------------------------------------------------------
@@ -338,6 +351,15 @@ class _Runtime:
             while os.path.exists(f"/proc/self/task/{tid}") and time.monotonic() < deadline:
                 time.sleep(0.0005)
 
+    def importing_generation(self) -> int:
+        """``get_curr_generation`` of the importing thread: upstream's rule on upstream's counters, less the
+        compiled calls of other threads (none in a single-threaded program: upstream's value itself)."""
+        m = self.mark_step_box.mark_step_counter
+        if m != 0:
+            return int(m)
+        with self.foreign_lock:
+            return int(self.tracker.generation) - self.foreign
+
     def report(self) -> dict[str, Any]:
         with self.mutex:
             out: dict[str, Any] = dict(self.stats)
@@ -384,6 +406,11 @@ def check() -> str | None:
             return f"torch._C.{name} not found"
     if not callable(getattr(ef, "install_generation_tagging_init", None)):
         return f"{EVAL_FRAME}.install_generation_tagging_init not found (the per-call generation hook)"
+    tracker, box = getattr(cgt, "GenerationTracker", None), getattr(cgt, "MarkStepBox", None)
+    if not isinstance(getattr(tracker, "generation", None), int) or not isinstance(getattr(box, "mark_step_counter", None), int):
+        return f"{CGT}.GenerationTracker.generation / MarkStepBox.mark_step_counter not found"
+    if not isinstance(tracker.__dict__.get("clear"), classmethod):
+        return "GenerationTracker.clear is not a classmethod"
     if not isinstance(getattr(threading, "_active", None), dict) or not hasattr(threading, "_DummyThread"):
         return "threading._active / threading._DummyThread not found"
     return _device_wide_problem()
@@ -477,37 +504,63 @@ def apply(changes: Changes) -> dict[str, Any]:
 
         return deferred_cudagraphify
 
+    original_clear = rt.tracker.__dict__["clear"].__func__
+
+    def own_counts(owner: Any) -> _OwnerState | None:
+        """The state whose counters an owner reads: None for the importing thread and the fallback, which
+        read upstream's."""
+        if type(owner) is _ThreadContainers and not owner.ttc_state.follows_global:
+            return owner.ttc_state
+        return None
+
     @functools.wraps(original_reset)
     def reset_cudagraph_trees() -> None:
+        state = own_counts(rt.owner(create=False))
+        saved = rt.mark_step_box.mark_step_counter
         with rt.capture_lock:
-            original_reset()
-        owner = rt.owner(create=False)
-        if owner is not None:
-            rt.state(owner).mark_step = 0
+            original_reset()  # ends with MarkStepBox.mark_step_counter = 0: the importing thread's counter
+        if state is not None:
+            state.mark_step = 0
+            rt.mark_step_box.mark_step_counter = saved
 
     @functools.wraps(original_mark_step_begin)
     def mark_step_begin() -> None:
-        original_mark_step_begin()  # upstream's global counter: unread while patched, kept for a revert
-        rt.state(rt.owner(create=True)).mark_step -= 1
+        state = own_counts(rt.owner(create=True))
+        if state is None:
+            original_mark_step_begin()
+        else:
+            state.mark_step -= 1
 
     def get_curr_generation() -> int:
-        state = rt.state(rt.owner(create=True))
-        if state.follows_global:
+        owner = rt.owner(create=True)
+        state = own_counts(owner)
+        if state is not None:
+            return state.mark_step if state.mark_step != 0 else state.generation
+        if type(owner) is _ThreadContainers:  # the fallback
             return rt.original_get_curr_generation()
-        return state.mark_step if state.mark_step != 0 else state.generation
+        return rt.importing_generation()
 
     def user_invoked_mark_step() -> bool:
-        state = rt.state(rt.owner(create=True))
-        if state.follows_global:
-            return rt.original_user_invoked_mark_step()
-        return state.mark_step != 0
+        state = own_counts(rt.owner(create=True))
+        return rt.original_user_invoked_mark_step() if state is None else state.mark_step != 0
 
     @functools.wraps(original_tagging)
     def install_generation_tagging_init() -> None:
-        original_tagging()  # upstream bumps GenerationTracker.generation here, on every compiled call
-        owner = rt.owner(create=False)  # threads without trees need no count
-        if owner is not None:
-            rt.state(owner).generation += 1
+        mine = getattr(rt.local, CONTAINERS, None)
+        if mine is not None and type(mine) is not _ThreadContainers:
+            original_tagging()  # the importing thread: upstream's counter is its own
+            return
+        with rt.foreign_lock:
+            original_tagging()  # upstream bumps GenerationTracker.generation here, on every compiled call
+            rt.foreign += 1
+        state = own_counts(rt.owner(create=False))  # threads without trees need no count
+        if state is not None:
+            state.generation += 1
+
+    def clear(cls: Any) -> None:
+        with rt.foreign_lock:
+            original_clear(cls)  # torch._dynamo.reset(): the counter starts again at 0, for every thread
+            rt.foreign = 0
 
     mgr = cgt.CUDAGraphTreeManager
     locked = {name: _locked(rt, mgr.__dict__[name]) for name in _LOCKED_MANAGER_METHODS}
@@ -527,6 +580,7 @@ def apply(changes: Changes) -> dict[str, Any]:
     changes.setattr(mgr, "user_invoked_mark_step", staticmethod(user_invoked_mark_step))
     changes.setattr(cgt.TreeManagerContainer, "get_tree_manager", get_tree_manager)
     changes.setattr(ef, "install_generation_tagging_init", install_generation_tagging_init)
+    changes.setattr(rt.tracker, "clear", classmethod(functools.wraps(original_clear)(clear)))
     _guard_device_wide(changes, rt)
     _RUNTIME = rt
 
@@ -539,7 +593,7 @@ def apply(changes: Changes) -> dict[str, Any]:
     return {}
 
 
-def _probe() -> tuple[Any, Any, int]:
+def _probe() -> tuple[Any, Any]:
     """In a fresh thread: its containers are its own, stashed in its own TLS, and its generation counts alone."""
     rt = _RUNTIME
     assert rt is not None
@@ -555,21 +609,22 @@ def _probe() -> tuple[Any, Any, int]:
     if cgt.CUDAGraphTreeManager.get_curr_generation() == before:
         raise AssertionError("the thread's generation does not follow its own calls")
     # The objects, not their ids: the caller keeps them alive, so a later thread's cannot reuse their addresses.
-    return containers, locks, rt.upstream_state.generation
+    return containers, locks
 
 
 def verify() -> None:
     rt = _RUNTIME
     if rt is None:
         raise AssertionError("not applied")
-    upstream = rt.upstream_state.generation
     a = run_in_thread(_probe)
     b = run_in_thread(_probe)  # while ``a`` holds the first thread's containers (ids of freed objects recur)
     if a[0] is b[0] or a[1] is b[1]:
         raise AssertionError("two threads share one set of containers")
     del a, b
-    if rt.upstream_state.generation != upstream:
-        raise AssertionError("another thread's calls moved the importing thread's generation")
+    # With no other thread's compiled call counted, the importing thread reads upstream's value itself (a
+    # compiled call between the two reads can move both: a few tries).
+    if rt.foreign == 0 and not any(rt.importing_generation() == rt.original_get_curr_generation() for _ in range(3)):
+        raise AssertionError("the importing thread does not read upstream's generation")
     for name in _LOCKED_MANAGER_METHODS:
         if getattr(rt.cgt.CUDAGraphTreeManager.__dict__[name], "__wrapped__", None) is None:
             raise AssertionError(f"CUDAGraphTreeManager.{name} does not take the capture lock")
