@@ -171,7 +171,15 @@ def child_layout(disabled: bool, layout: str, threads: int = 16, calls: int = 20
                     out = fn(x)
                     ref = model(x)
                 row["calls"] += 1
-                row["mismatches"] += int(not torch.allclose(out, ref, rtol=1e-3, atol=1e-3))
+                if not torch.allclose(out, ref, rtol=1e-3, atol=1e-3):
+                    row["mismatches"] += 1
+                    # what a mismatch looked like: its size, whether this thread had failed before, and
+                    # whether the same input gives the right answer when called again at once
+                    with torch.no_grad():
+                        again = torch.allclose(fn(x), model(x), rtol=1e-3, atol=1e-3)
+                    row.setdefault("mismatch_detail", []).append(
+                        {"thread": i, "call": row["calls"], "max_err": float((out - ref).abs().max()),
+                         "errors_before": row["errors"], "again_ok": again})
             except Exception as e:
                 row["errors"] += 1
                 row["kinds"][_kind(e)] += 1
@@ -190,7 +198,8 @@ def child_layout(disabled: bool, layout: str, threads: int = 16, calls: int = 20
     _run_threads(threads, worker)
     workers = rows[:threads]
     res = {"layout": layout, "threads": threads, "calls_per_thread": calls, **_summary(rows),
-           "repeats": draws.repeats(), "threads_with_replays": sum(1 for r in workers if r.get("replays", 0) > 0)}
+           "repeats": draws.repeats(), "threads_with_replays": sum(1 for r in workers if r.get("replays", 0) > 0),
+           "mismatch_detail": [d for r in rows for d in r.get("mismatch_detail", [])][:8]}
     res["ok"] = res["errors"] == 0 and res["mismatches"] == 0 and res["repeats"] == 0 and res["threads_with_replays"] == threads
     return res
 

@@ -5,6 +5,7 @@
 #
 #   OUT=/some/dir bash bench/gpu_upstream_attribution.sh "test_multinomial or test_frozen_fn" [patch ...]
 #
+# Upstream's test file needs expecttest and pytest-timeout besides pytest.
 # Default patches: the ones that act on CUDA graphs and random numbers, and lazy_backward (it compiles the
 # backward with the forward for graphs on an accelerator, which tests that count backward compiles see).
 set -u

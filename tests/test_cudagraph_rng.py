@@ -300,6 +300,9 @@ def test_h7_rng_bench_refuses_without_cuda_in_one_line() -> None:
     assert p.returncode == 2 and len(lines) == 1 and "needs a CUDA device" in lines[0], (p.returncode, lines)
 
 
+WINDOW_ERROR = "RuntimeError: Offset increment outside graph capture encountered unexpectedly."
+
+
 @pytest.mark.cuda
 def test_h7_rng_scenarios_cuda() -> None:
     """On a GPU: ``bench/cudagraph_rng.py`` (or the JSON it wrote, ``TTC_RNG_BENCH_JSON``)."""
@@ -321,6 +324,14 @@ def test_h7_rng_scenarios_cuda() -> None:
                 rows = {r["job"]: r for r in json.load(fh)}
     for job, r in rows.items():
         if job.endswith("-on") and not r.get("skipped"):
-            assert r.get("ok"), (job, {k: r.get(k) for k in ("errors", "kinds", "mismatches", "repeats", "exception")})
+            detail = (job, {k: r.get(k) for k in ("errors", "kinds", "mismatches", "repeats", "exception", "mismatch_detail")})
+            if TV < Version("2.12") and r.get("errors"):
+                # The documented limit (cudagraph_rng, hazards.md): between capture_begin registering the
+                # graph's private state and the switch back, another thread's draw fails with upstream's
+                # error. Only that error, and nothing silent: no wrong output, no repeated random tensor.
+                assert set(r.get("kinds", {})) <= {WINDOW_ERROR}, detail
+                assert not r.get("mismatches") and not r.get("repeats") and r.get("completed", True), detail
+            else:
+                assert r.get("ok"), detail
     if Version("2.12") > TV and "issue-off" in rows:  # the hazard itself, unpatched (2.4-2.11)
         assert rows["issue-off"].get("errors"), rows["issue-off"]
