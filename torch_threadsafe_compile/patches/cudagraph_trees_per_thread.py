@@ -468,15 +468,85 @@ def _locked(rt: _Runtime, fn: Callable[..., Any]) -> Callable[..., Any]:
     return locked
 
 
+def _own_counts(owner: Any) -> _OwnerState | None:
+    """The state whose counters an owner reads: None for the importing thread and the fallback, which read
+    upstream's."""
+    if type(owner) is _ThreadContainers and not owner.ttc_state.follows_global:
+        return owner.ttc_state
+    return None
+
+
+def _patch_generations(changes: Changes, rt: _Runtime, ef: Any) -> None:
+    """Generations and mark-steps per owner; the importing thread reads upstream's (see the module doc)."""
+    cgt = rt.cgt
+    original_reset = cgt.reset_cudagraph_trees
+    original_mark_step_begin = cgt.mark_step_begin
+    original_tagging = ef.install_generation_tagging_init
+    original_clear = rt.tracker.__dict__["clear"].__func__
+
+    @functools.wraps(original_reset)
+    def reset_cudagraph_trees() -> None:
+        state = _own_counts(rt.owner(create=False))
+        saved = rt.mark_step_box.mark_step_counter
+        with rt.capture_lock:
+            original_reset()  # ends with MarkStepBox.mark_step_counter = 0: the importing thread's counter
+        if state is not None:
+            state.mark_step = 0
+            rt.mark_step_box.mark_step_counter = saved
+
+    @functools.wraps(original_mark_step_begin)
+    def mark_step_begin() -> None:
+        state = _own_counts(rt.owner(create=True))
+        if state is None:
+            original_mark_step_begin()
+        else:
+            state.mark_step -= 1
+
+    def get_curr_generation() -> int:
+        owner = rt.owner(create=True)
+        state = _own_counts(owner)
+        if state is not None:
+            return state.mark_step if state.mark_step != 0 else state.generation
+        if type(owner) is _ThreadContainers:  # the fallback
+            return rt.original_get_curr_generation()
+        return rt.importing_generation()
+
+    def user_invoked_mark_step() -> bool:
+        state = _own_counts(rt.owner(create=True))
+        return rt.original_user_invoked_mark_step() if state is None else state.mark_step != 0
+
+    @functools.wraps(original_tagging)
+    def install_generation_tagging_init() -> None:
+        mine = getattr(rt.local, CONTAINERS, None)
+        if mine is not None and type(mine) is not _ThreadContainers:
+            original_tagging()  # the importing thread: upstream's counter is its own
+            return
+        with rt.foreign_lock:
+            original_tagging()  # upstream bumps GenerationTracker.generation here, on every compiled call
+            rt.foreign += 1
+        state = _own_counts(rt.owner(create=False))  # threads without trees need no count
+        if state is not None:
+            state.generation += 1
+
+    def clear(cls: Any) -> None:
+        with rt.foreign_lock:
+            original_clear(cls)  # torch._dynamo.reset(): the counter starts again at 0, for every thread
+            rt.foreign = 0
+
+    changes.setattr(cgt, "reset_cudagraph_trees", reset_cudagraph_trees)
+    changes.setattr(cgt, "mark_step_begin", mark_step_begin)
+    changes.setattr(cgt.CUDAGraphTreeManager, "get_curr_generation", staticmethod(get_curr_generation))
+    changes.setattr(cgt.CUDAGraphTreeManager, "user_invoked_mark_step", staticmethod(user_invoked_mark_step))
+    changes.setattr(ef, "install_generation_tagging_init", install_generation_tagging_init)
+    changes.setattr(rt.tracker, "clear", classmethod(functools.wraps(original_clear)(clear)))
+
+
 def apply(changes: Changes) -> dict[str, Any]:
     global _RUNTIME
     cgt, ef = _modules()
     rt = _Runtime(cgt)
     original_get_obj = cgt.get_obj
     original_impl = cgt.cudagraphify_impl
-    original_reset = cgt.reset_cudagraph_trees
-    original_mark_step_begin = cgt.mark_step_begin
-    original_tagging = ef.install_generation_tagging_init
 
     @functools.wraps(original_get_obj)
     def get_obj(local: Any, attr_name: str) -> Any:
@@ -504,64 +574,6 @@ def apply(changes: Changes) -> dict[str, Any]:
 
         return deferred_cudagraphify
 
-    original_clear = rt.tracker.__dict__["clear"].__func__
-
-    def own_counts(owner: Any) -> _OwnerState | None:
-        """The state whose counters an owner reads: None for the importing thread and the fallback, which
-        read upstream's."""
-        if type(owner) is _ThreadContainers and not owner.ttc_state.follows_global:
-            return owner.ttc_state
-        return None
-
-    @functools.wraps(original_reset)
-    def reset_cudagraph_trees() -> None:
-        state = own_counts(rt.owner(create=False))
-        saved = rt.mark_step_box.mark_step_counter
-        with rt.capture_lock:
-            original_reset()  # ends with MarkStepBox.mark_step_counter = 0: the importing thread's counter
-        if state is not None:
-            state.mark_step = 0
-            rt.mark_step_box.mark_step_counter = saved
-
-    @functools.wraps(original_mark_step_begin)
-    def mark_step_begin() -> None:
-        state = own_counts(rt.owner(create=True))
-        if state is None:
-            original_mark_step_begin()
-        else:
-            state.mark_step -= 1
-
-    def get_curr_generation() -> int:
-        owner = rt.owner(create=True)
-        state = own_counts(owner)
-        if state is not None:
-            return state.mark_step if state.mark_step != 0 else state.generation
-        if type(owner) is _ThreadContainers:  # the fallback
-            return rt.original_get_curr_generation()
-        return rt.importing_generation()
-
-    def user_invoked_mark_step() -> bool:
-        state = own_counts(rt.owner(create=True))
-        return rt.original_user_invoked_mark_step() if state is None else state.mark_step != 0
-
-    @functools.wraps(original_tagging)
-    def install_generation_tagging_init() -> None:
-        mine = getattr(rt.local, CONTAINERS, None)
-        if mine is not None and type(mine) is not _ThreadContainers:
-            original_tagging()  # the importing thread: upstream's counter is its own
-            return
-        with rt.foreign_lock:
-            original_tagging()  # upstream bumps GenerationTracker.generation here, on every compiled call
-            rt.foreign += 1
-        state = own_counts(rt.owner(create=False))  # threads without trees need no count
-        if state is not None:
-            state.generation += 1
-
-    def clear(cls: Any) -> None:
-        with rt.foreign_lock:
-            original_clear(cls)  # torch._dynamo.reset(): the counter starts again at 0, for every thread
-            rt.foreign = 0
-
     mgr = cgt.CUDAGraphTreeManager
     locked = {name: _locked(rt, mgr.__dict__[name]) for name in _LOCKED_MANAGER_METHODS}
     get_tree_manager = _locked(rt, cgt.TreeManagerContainer.__dict__["get_tree_manager"])
@@ -572,15 +584,10 @@ def apply(changes: Changes) -> dict[str, Any]:
     rt.watch_applying_thread()
     changes.setattr(cgt, "get_obj", get_obj)
     changes.setattr(cgt, "cudagraphify_impl", cudagraphify_impl)
-    changes.setattr(cgt, "reset_cudagraph_trees", reset_cudagraph_trees)
-    changes.setattr(cgt, "mark_step_begin", mark_step_begin)
     for name, fn in locked.items():
         changes.setattr(mgr, name, fn)
-    changes.setattr(mgr, "get_curr_generation", staticmethod(get_curr_generation))
-    changes.setattr(mgr, "user_invoked_mark_step", staticmethod(user_invoked_mark_step))
     changes.setattr(cgt.TreeManagerContainer, "get_tree_manager", get_tree_manager)
-    changes.setattr(ef, "install_generation_tagging_init", install_generation_tagging_init)
-    changes.setattr(rt.tracker, "clear", classmethod(functools.wraps(original_clear)(clear)))
+    _patch_generations(changes, rt, ef)
     _guard_device_wide(changes, rt)
     _RUNTIME = rt
 
