@@ -181,8 +181,8 @@ SPECS: dict[str, PatchSpec] = {
         PatchSpec(
             id="lazy_backward",
             hazard="H4",
-            summary=("compile the backward with the forward for graphs on an accelerator, so the autograd engine "
-                     "never waits for compile_lock"),
+            summary=("compile the backward with the forward for graphs on an accelerator compiled while the program "
+                     "runs threads, so the autograd engine never waits for compile_lock"),
             upstream=("lazy backward since pytorch/pytorch#83367; the backward compiler takes compile_lock (2.6+); "
                       "switch force_non_lazy_backward_lowering (2.9+)"),
             torch_versions=">=2.6",
