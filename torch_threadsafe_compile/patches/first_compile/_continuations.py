@@ -21,7 +21,7 @@ import types
 import weakref
 from typing import Any, Callable
 
-from torch_threadsafe_compile.patches.first_compile._gate import make_resume_gate
+from torch_threadsafe_compile.patches.first_compile._gate import inline_as, make_resume_gate
 
 _OUTPUT_GRAPH_FILE = os.path.join("torch", "_dynamo", "output_graph.py")
 PREFIX = "__resume_at_"
@@ -34,6 +34,7 @@ def make_gated_factory(factory: Callable[..., Any]) -> Callable[..., Any]:
         return make_resume_gate(factory(*args, **kwargs), wraps=False)
 
     functools.update_wrapper(ttc_resume_factory, factory)
+    inline_as(ttc_resume_factory, factory)  # traced, it is upstream's factory (see inline_as)
     ttc_resume_factory._ttc_gate = True  # type: ignore[attr-defined]
     return ttc_resume_factory
 

@@ -216,8 +216,24 @@ def make_resume_gate(resume_fn: Callable[..., Any], wraps: bool = True) -> Calla
 
     if wraps:
         functools.update_wrapper(ttc_resume_gate, resume_fn)
+    inline_as(ttc_resume_gate, resume_fn)
     ttc_resume_gate._ttc_gate = True  # type: ignore[attr-defined]
     return ttc_resume_gate
+
+
+def inline_as(gate: Callable[..., Any], fn: Callable[..., Any]) -> None:
+    """Dynamo traces ``fn`` where it meets a call of ``gate`` while tracing: never the gate's own body.
+
+    A continuation is not only called from compiled code. From torch 2.13 a graph break inside an inlined
+    call makes nested continuations: the outer one receives the inner ones (``__nested_resume_fns``, loaded
+    from the globals the gates replace) and calls them from its own body, which dynamo traces when it
+    compiles the outer one. Traced, the gate's bookkeeping (``sys._getframe``) is a graph break inside the
+    gate, whose continuation calls the gate again: endless recursion (issue 37: 10 upstream tests of
+    ``dynamo/test_misc.py``/``test_repros.py`` failed with RecursionError). ``_torchdynamo_inline`` is how
+    dynamo's own ``compile_wrapper`` tells its tracer which function to inline in its place
+    (``WrapperUserFunctionVariable``, every supported release): the tracer then sees upstream's function.
+    """
+    gate._torchdynamo_inline = fn  # type: ignore[attr-defined]
 
 
 # The code objects of the two generic gates: dynamo's callback recognises a gated call by them (and by the
