@@ -10,8 +10,13 @@ import sys
 from typing import Callable
 
 
-def child_env(disabled: bool) -> dict[str, str]:
+def child_env(disabled: bool, tree: str | None = None) -> dict[str, str]:
+    """The environment of a benchmark child: the caller's without ``TTC_*``; ``TTC_DISABLE=1`` when
+    ``disabled``; with ``tree`` (a checkout of this project) first on ``PYTHONPATH``, so that the child's
+    start-up hook activates that tree's package instead of the installed one (two commits in one run)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("TTC_")}
+    if tree is not None:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.abspath(tree), env.get("PYTHONPATH", "")) if p)
     # Measure as users run: with bytecode caching (pip install writes .pyc files; an environment that
     # forbids writing them would make every start compile our sources, ~3 ms, and torch's).
     env.pop("PYTHONDONTWRITEBYTECODE", None)
@@ -21,8 +26,8 @@ def child_env(disabled: bool) -> dict[str, str]:
     return env
 
 
-def run_child(code: str, disabled: bool, args: tuple[str, ...] = ()) -> str:
-    p = subprocess.run([sys.executable, *args, "-c", code], env=child_env(disabled), capture_output=True, text=True)
+def run_child(code: str, disabled: bool, args: tuple[str, ...] = (), tree: str | None = None) -> str:
+    p = subprocess.run([sys.executable, *args, "-c", code], env=child_env(disabled, tree), capture_output=True, text=True)
     if p.returncode:
         raise RuntimeError(f"benchmark child failed (rc={p.returncode}):\n{p.stderr[-2000:]}")
     return p.stdout

@@ -12,6 +12,11 @@
    unpatched.
 
     python bench/warm_call.py [--rounds 10] [--pairs 5] [--backend inductor]
+    python bench/warm_call.py --tree . --tree ../other-checkout    # two trees of the package, one run
+
+With ``--tree`` (repeatable) each measurement is made for every tree given, the trees taking turns within
+each round, so that two commits are compared on the same machine state (each child gets the tree first on
+``PYTHONPATH`` and prints which package file it activated).
 """
 
 from __future__ import annotations
@@ -49,6 +54,8 @@ print(json.dumps([statistics.median(per["gated"]), statistics.median(per["plain"
 
 SMALLEST = """
 import time, json, torch
+import torch_threadsafe_compile as _ttc
+ORIGIN = _ttc.__file__
 f = torch.compile(lambda x: x + 1, backend="eager")
 x = torch.randn(16)
 for _ in range(500): f(x)
@@ -57,7 +64,7 @@ for _ in range(7):
     t0 = time.perf_counter()
     for _ in range(20000): f(x)
     best = min(best, (time.perf_counter() - t0) / 20000)
-print(json.dumps(best))
+print(json.dumps([best, ORIGIN]))
 """
 
 STAMPEDE = """
@@ -85,31 +92,47 @@ def main() -> None:
     ap.add_argument("--backend", default="aot_eager")
     ap.add_argument("--threads", type=int, default=8)
     ap.add_argument("--pairs", type=int, default=5, help="interpreter pairs for the smallest eager-backend function")
+    ap.add_argument("--tree", action="append", default=None, metavar="PATH",
+                    help="a checkout of the package to measure (repeatable; default: the installed package)")
     a = ap.parse_args()
-    pairs = []
+    trees: list[str | None] = list(a.tree) if a.tree else [None]
+    for t in trees:
+        if t is not None and not os.path.isfile(os.path.join(t, "torch_threadsafe_compile", "__init__.py")):
+            ap.error(f"--tree {t}: no torch_threadsafe_compile package there")
+    label = {t: ("installed" if t is None else t) for t in trees}
+    pairs: dict[str | None, list[tuple[float, float]]] = {t: [] for t in trees}
+    origin: dict[str | None, str] = {}
     for i in range(a.pairs):
-        order = (False, True) if i % 2 == 0 else (True, False)
-        got = {disabled: json.loads(run_child(SMALLEST, disabled)) for disabled in order}
-        pairs.append((got[False], got[True]))
-    ratios_small = sorted(on / off for on, off in pairs)
-    print(f"warm call of the smallest eager-backend function: active {statistics.median(p[0] for p in pairs)*1e6:.2f} us, "
-          f"TTC_DISABLE=1 {statistics.median(p[1] for p in pairs)*1e6:.2f} us, median ratio of {a.pairs} interpreter pairs "
-          f"{statistics.median(ratios_small):.3f} (range {ratios_small[0]:.3f}..{ratios_small[-1]:.3f})")
-    runs = [json.loads(run_child(WARM.format(backend=a.backend), False)) for _ in range(a.rounds)]
-    gated = statistics.median(r[0] for r in runs)
-    plain = statistics.median(r[1] for r in runs)
-    ratios = sorted(r[0] / r[1] for r in runs)
-    print(f"warm call ({a.backend}): gated {gated*1e6:.2f} us, upstream wrapper {plain*1e6:.2f} us, ratio {gated / plain:.3f} "
-          f"(per-interpreter ratios {ratios[0]:.3f}..{ratios[-1]:.3f}; {a.rounds} interpreters x 40 alternating batches of 2000 calls)")
-    res = {}
-    for disabled in (False, True):
-        runs = [json.loads(run_child(STAMPEDE.format(backend=a.backend, n=a.threads), disabled)) for _ in range(3)]
-        single = sorted(r[0] for r in runs)[1]
-        stamp = sorted(r[1] for r in runs)[1]
-        res[disabled] = (single, stamp)
-    for disabled, label in ((False, "active"), (True, "TTC_DISABLE=1")):
-        single, stamp = res[disabled]
-        print(f"stampede of {a.threads} threads ({a.backend}), {label}: {stamp:.2f} s vs one compile {single:.2f} s -> ratio {stamp / single:.2f} (median of 3)")
+        for t in (trees if i % 2 == 0 else trees[::-1]):
+            order = (False, True) if i % 2 == 0 else (True, False)
+            got = {disabled: json.loads(run_child(SMALLEST, disabled, tree=t)) for disabled in order}
+            origin[t] = got[False][1]
+            pairs[t].append((got[False][0], got[True][0]))
+    for t in trees:
+        ratios_small = sorted(on / off for on, off in pairs[t])
+        print(f"[{label[t]}] package {origin[t]}")
+        print(f"[{label[t]}] warm call of the smallest eager-backend function: active {statistics.median(p[0] for p in pairs[t])*1e6:.2f} us, "
+              f"TTC_DISABLE=1 {statistics.median(p[1] for p in pairs[t])*1e6:.2f} us, median ratio of {a.pairs} interpreter pairs "
+              f"{statistics.median(ratios_small):.3f} (range {ratios_small[0]:.3f}..{ratios_small[-1]:.3f})")
+    runs: dict[str | None, list[list[float]]] = {t: [] for t in trees}
+    for i in range(a.rounds):
+        for t in (trees if i % 2 == 0 else trees[::-1]):
+            runs[t].append(json.loads(run_child(WARM.format(backend=a.backend), False, tree=t)))
+    for t in trees:
+        gated = statistics.median(r[0] for r in runs[t])
+        plain = statistics.median(r[1] for r in runs[t])
+        ratios = sorted(r[0] / r[1] for r in runs[t])
+        print(f"[{label[t]}] warm call ({a.backend}): gated {gated*1e6:.2f} us, upstream wrapper {plain*1e6:.2f} us, ratio {gated / plain:.3f} "
+              f"(per-interpreter ratios {ratios[0]:.3f}..{ratios[-1]:.3f}; {a.rounds} interpreters x 40 alternating batches of 2000 calls)")
+    for t in trees:
+        res = {}
+        for disabled in (False, True):
+            st = [json.loads(run_child(STAMPEDE.format(backend=a.backend, n=a.threads), disabled, tree=t)) for _ in range(3)]
+            res[disabled] = (sorted(r[0] for r in st)[1], sorted(r[1] for r in st)[1])
+        for disabled, mode in ((False, "active"), (True, "TTC_DISABLE=1")):
+            single, stamp = res[disabled]
+            print(f"[{label[t]}] stampede of {a.threads} threads ({a.backend}), {mode}: {stamp:.2f} s vs one compile {single:.2f} s "
+                  f"-> ratio {stamp / single:.2f} (median of 3)")
 
 
 if __name__ == "__main__":
