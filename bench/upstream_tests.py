@@ -47,6 +47,18 @@ a file that dies is reported with its signal and faulthandler's first frames of 
 markdown then also says, per file, which tests the package fixed (failed with ``TTC_DISABLE=1``, passed
 active). Without the option nothing changes.
 
+Both modes run the same *thread plan* (which tests run in one thread), made in a collection pass before the
+file runs. ``--thread-plan union`` (the default) runs a test in N threads in both modes if either mode's
+judgement would run it there: with the package active pytest-run-parallel judges some tests thread-safe that
+it judges unsafe with ``TTC_DISABLE=1`` (torch's entry points are transparent wrappers there), so the union is
+the stricter plan, the one that tests the package where it claims to help. ``--thread-plan disabled`` is the
+earlier plan, the judgement with ``TTC_DISABLE=1`` alone.
+
+A stall detector watches every child with ``--parallel-threads``: a child whose output has not grown for
+``--stall-s`` seconds (default 120; pytest prints a line per test) is counted as a *hang*, not a timeout: its
+threads' native stacks are dumped first (``py-spy dump --native`` where py-spy is installed, else ``gdb``),
+then faulthandler's Python stacks (SIGABRT), into its log; then its process group is killed.
+
 Standard library only, so the script runs under any Python >= 3.9 (``--python`` picks the interpreter
 that runs the tests; it needs torch, pytest, pytest-timeout and expecttest).
 """
@@ -136,6 +148,7 @@ class Run:
     rc: Optional[int]
     wall_s: float
     timed_out: bool = False
+    hung: bool = False  # the stall detector stopped it: no output for STALL_S seconds
     crashed: str = ""  # why there are no per-test results (no XML, pytest usage/internal error, ...)
     signal: str = ""  # the signal that killed pytest (SIGSEGV, ...), empty when it exited
     frames: list[str] = field(default_factory=list)  # faulthandler: the crashing thread's first frames
@@ -241,21 +254,42 @@ def _limit_memory() -> None:  # runs in the child, between fork and exec
         resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT, MEMORY_LIMIT))
 
 
-def _run(cmd: list[str], cwd: Path, env: dict[str, str], timeout: float) -> tuple[Optional[int], str, float, bool]:
+# With --parallel-threads: seconds without any new output after which a child counts as hung (0: off).
+STALL_S = 0.0
+_POLL_S = 2.0
+
+
+def _run(cmd: list[str], cwd: Path, env: dict[str, str], timeout: float,
+         stall_s: float = 0.0) -> tuple[Optional[int], str, float, bool, bool]:
     """Run ``cmd`` in its own process group; on timeout kill the whole group (inductor's compile workers
-    included) so nothing of a hung file outlives it."""
+    included) so nothing of a hung file outlives it. With ``stall_s``, a child whose output has not grown
+    for that long is dumped (:func:`_dump_stacks`) and killed. Returns (rc, output, wall, timed out, hung)."""
     t0 = time.monotonic()
     with tempfile.TemporaryFile(mode="w+", encoding="utf-8", errors="replace") as out:
         proc = subprocess.Popen(cmd, cwd=str(cwd), env=env, stdout=out, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True,
                                 preexec_fn=_limit_memory if MEMORY_LIMIT else None)
-        timed_out = False
+        timed_out = hung = False
+        rc: Optional[int] = None
+        size, changed = -1, t0
         try:
-            rc: Optional[int] = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            _kill_group(proc)
-            rc = proc.wait()
+            while rc is None:
+                try:
+                    rc = proc.wait(timeout=_POLL_S)
+                except subprocess.TimeoutExpired:
+                    now = time.monotonic()
+                    grown = os.fstat(out.fileno()).st_size
+                    if grown != size:
+                        size, changed = grown, now
+                    if now - t0 > timeout:
+                        timed_out = True
+                    elif stall_s and now - changed > stall_s:
+                        hung = True
+                        _append(out, f"\n=== stall detector: no output for {now - changed:.0f} s; stacks follow ===\n")
+                        _dump_stacks(proc.pid, out)
+                    if timed_out or hung:
+                        _kill_group(proc)
+                        rc = proc.wait()
         except BaseException:  # Ctrl-C, SIGTERM (see main): the child's group must not outlive us
             _kill_group(proc)
             proc.wait()
@@ -263,7 +297,40 @@ def _run(cmd: list[str], cwd: Path, env: dict[str, str], timeout: float) -> tupl
         wall = time.monotonic() - t0
         out.seek(0)
         text = out.read()
-    return rc, text, wall, timed_out
+    return rc, text, wall, timed_out, hung
+
+
+def _append(out: "object", text: str) -> None:
+    """Append to the child's output file: it shares the file offset with the child, so write through the
+    descriptor at its end (a buffered write from here could land on the child's own output)."""
+    fd = out.fileno()  # type: ignore[attr-defined]
+    os.lseek(fd, 0, os.SEEK_END)
+    os.write(fd, text.encode("utf-8", "replace"))
+
+
+def _dump_stacks(pid: int, out: "object") -> None:
+    """Every thread's native stack of a hung child (py-spy with --native where installed, else gdb), then
+    faulthandler's Python stacks: SIGABRT makes the child (run with ``-X faulthandler``) print them as it dies."""
+    import shutil
+
+    native = None
+    if shutil.which("py-spy"):
+        native = ["py-spy", "dump", "--native", "--pid", str(pid)]
+    elif shutil.which("gdb"):
+        native = ["gdb", "-p", str(pid), "-batch", "-ex", "thread apply all bt"]
+    if native is None:
+        _append(out, "--- no py-spy or gdb: no native stacks ---\n")
+    else:
+        try:
+            p = subprocess.run(native, capture_output=True, text=True, timeout=90, errors="replace")
+            _append(out, f"--- {native[0]} (exit {p.returncode}) ---\n{p.stdout}{p.stderr[-4000:]}\n")
+        except (OSError, subprocess.TimeoutExpired) as e:
+            _append(out, f"--- {native[0]} failed: {e!r} ---\n")
+    try:
+        os.kill(pid, signal.SIGABRT)
+        time.sleep(5)  # faulthandler writes every thread's Python stack before the process dies
+    except ProcessLookupError:
+        pass
 
 
 def _kill_group(proc: "subprocess.Popen[str]") -> None:
@@ -274,7 +341,7 @@ def _kill_group(proc: "subprocess.Popen[str]") -> None:
 
 
 def probe(python: str, cwd: Path, mode: str, timeout: float) -> dict:
-    rc, text, _, timed_out = _run([python, "-c", _PROBE], cwd, child_env(mode), timeout)
+    rc, text, _, timed_out, _ = _run([python, "-c", _PROBE], cwd, child_env(mode), timeout)
     for line in text.splitlines():
         if line.startswith("TTC-PROBE "):
             info = json.loads(line[len("TTC-PROBE "):])
@@ -365,14 +432,29 @@ def plan_env(env: dict[str, str], plan: Path, mode: str) -> dict[str, str]:
     return env
 
 
+# "union": a test runs in N threads in both modes if either mode's judgement runs it there (the stricter
+# plan); "disabled": the judgement with TTC_DISABLE=1 alone (the earlier plan).
+THREAD_PLAN = "union"
+
+
 def make_plan(python: str, f: "TestFile", tmp: Path, timeout: float) -> tuple[Path, str]:
-    """Which tests of ``f`` run in one thread, decided once with TTC_DISABLE=1 (see ttc_parallel_plan)."""
-    plan = tmp / f"{f.key.replace('/', '_').replace(':', '_')}.plan.json"
+    """Which tests of ``f`` run in one thread in both modes (see ttc_parallel_plan and THREAD_PLAN): a
+    collection pass per judging mode; with "union", one thread only for the tests both modes judge unsafe."""
+    stem = f.key.replace("/", "_").replace(":", "_")
+    plan = tmp / f"{stem}.plan.json"
     cmd = [python, "-m", "pytest", f.rel, "-c", os.devnull, "--rootdir", ".", "-p", "no:cacheprovider",
            "--collect-only", "-q", *COMPAT_PLUGIN, *parallel_args(PARALLEL_THREADS)]
-    rc, text, _, _ = _run(cmd, f.root, plan_env(child_env("disabled"), plan, "write"), timeout)
-    if not plan.is_file():
-        return plan, f"collection pass failed (rc={rc}): {_tail(text)}"
+    judges = ("disabled", "active") if THREAD_PLAN == "union" else ("disabled",)
+    verdicts: dict[str, dict[str, str]] = {}
+    for mode in judges:
+        path = tmp / f"{stem}.plan-{mode}.json"
+        rc, text, _, _, _ = _run(cmd, f.root, plan_env(child_env(mode), path, "write"), timeout)
+        if not path.is_file():
+            return plan, f"collection pass with {mode} failed (rc={rc}): {_tail(text)}"
+        verdicts[mode] = json.loads(path.read_text(encoding="utf-8"))
+    single = {nid: f"{reason} (judged with TTC_DISABLE=1)" for nid, reason in verdicts["disabled"].items()
+              if all(nid in v for v in verdicts.values())}
+    plan.write_text(json.dumps(single), encoding="utf-8")
     return plan, ""
 
 
@@ -433,19 +515,21 @@ def run_file(python: str, f: TestFile, mode: str, tmp: Path, file_timeout: float
     xml = tmp / f"{f.key.replace('/', '_').replace(':', '_')}.{mode}.{time.monotonic_ns()}.xml"
     cmd = pytest_cmd(python, targets or [f.rel], xml, test_timeout)
     env = child_env(mode) if plan is None else plan_env(child_env(mode), plan, "read")
-    rc, text, wall, timed_out = _run(cmd, f.root, env, file_timeout)
+    rc, text, wall, timed_out, hung = _run(cmd, f.root, env, file_timeout, STALL_S if PARALLEL_THREADS > 1 else 0.0)
     if log_dir is not None:
         log_dir.mkdir(parents=True, exist_ok=True)
         suffix = ("." + re.sub(r"[^\w.-]+", "_", targets[0].split("::", 1)[-1])[:80]) if targets else ""
         (log_dir / f"{f.key.replace('/', '_').replace(':', '_')}.{mode}{suffix}.log").write_text(text, encoding="utf-8")
-    run = Run(mode=mode, rc=rc, wall_s=wall, timed_out=timed_out)
-    if rc is not None and rc < 0:
+    run = Run(mode=mode, rc=rc, wall_s=wall, timed_out=timed_out, hung=hung)
+    if rc is not None and rc < 0 and not hung:
         try:
             run.signal = signal.Signals(-rc).name
         except ValueError:
             run.signal = f"signal {-rc}"
         run.frames = crash_frames(text)
-    if timed_out:
+    if hung:
+        run.crashed = f"hung: no output for {STALL_S:.0f} s (native and Python stacks in its log)"
+    elif timed_out:
         run.crashed = f"timed out after {file_timeout:.0f} s"
     elif run.signal:
         run.crashed = f"died of {run.signal}" + (f" ({'; '.join(run.frames)})" if run.frames else "")
@@ -685,6 +769,8 @@ def render_md(results: list[FileResult], probes: dict[str, dict]) -> str:
 
 
 def _crash_cell(run: Run) -> str:
+    if run.hung:
+        return "hang"
     if run.signal:
         return run.signal
     if run.timed_out:
@@ -767,7 +853,7 @@ def _on_sigterm(signum: int, frame: object) -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    global PYCACHE_PREFIX, PARALLEL_THREADS, MEMORY_LIMIT
+    global PYCACHE_PREFIX, PARALLEL_THREADS, MEMORY_LIMIT, THREAD_PLAN, STALL_S
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tests-dir", action="append", type=Path, default=None,
@@ -798,7 +884,15 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="run every test body in N threads at once (pytest-run-parallel; THREAD_UNSAFE in one)")
     ap.add_argument("--memory-limit-gb", type=float, default=12.0,
                     help="with --parallel-threads: each child's address-space limit (default 12; 0: none)")
+    ap.add_argument("--thread-plan", choices=("union", "disabled"), default="union",
+                    help="with --parallel-threads: which tests run in N threads in both modes: 'union' (default) "
+                         "if either mode's judgement runs them there; 'disabled': TTC_DISABLE=1's judgement alone")
+    ap.add_argument("--stall-s", type=float, default=120.0,
+                    help="with --parallel-threads: a child with no new output for this long is dumped and killed, "
+                         "counted as a hang (default 120; 0: off)")
     args = ap.parse_args(argv)
+    THREAD_PLAN = args.thread_plan
+    STALL_S = max(0.0, args.stall_s)
     PARALLEL_THREADS = max(1, args.parallel_threads)
     if PARALLEL_THREADS > 1 and args.memory_limit_gb > 0:
         MEMORY_LIMIT = int(args.memory_limit_gb * 2**30)

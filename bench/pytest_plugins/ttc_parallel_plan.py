@@ -4,9 +4,9 @@ pytest-run-parallel decides per test whether it is thread-unsafe by reading the 
 deep, the source of what it calls, resolving names through each function's globals. With the package active
 some of torch's entry points are transparent wrappers (``functools.wraps``) whose globals are the package's,
 so the same test can be judged thread-unsafe with ``TTC_DISABLE=1`` (one thread) and safe when active (N
-threads): the two modes would not run the same thing. The bench therefore decides once, in a collection pass
-with ``TTC_DISABLE=1`` (``BENCH_PARALLEL_PLAN_MODE=write``: the plugin's verdicts go to the JSON file
-``BENCH_PARALLEL_PLAN``), and both runs use that verdict (``read``). Loaded with ``-p ttc_parallel_plan``;
+threads): the two modes would not run the same thing. The bench therefore decides once, in collection passes
+(``BENCH_PARALLEL_PLAN_MODE=write``: the plugin's verdicts go to the JSON file ``BENCH_PARALLEL_PLAN``) with
+``TTC_DISABLE=1`` and, for the default union plan, active too; both runs read the merged plan (``read``). Loaded with ``-p ttc_parallel_plan``;
 written for pytest-run-parallel 0.10 (``_run-parallel`` plugin, ``_is_thread_unsafe``, ``thread_unsafe``).
 
 The collection pass also reads the test's own function. torch's ``TestCase.__init__`` replaces each test
@@ -51,7 +51,7 @@ def pytest_configure(config: Any) -> None:
 
     def _is_thread_unsafe(self: Any, item: Any) -> tuple[bool, Any]:
         reason = plan.get(item.nodeid)
-        return (reason is not None, reason and f"{reason} (decided with TTC_DISABLE=1)")
+        return (reason is not None, reason and f"{reason} (the bench's thread plan)")
 
     plugin._is_thread_unsafe = types.MethodType(_is_thread_unsafe, plugin)
 
