@@ -49,7 +49,7 @@ from typing import Any, Callable
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-GROUPS = ("issue", "layouts", "dropout", "server", "upstream")
+GROUPS = ("issue", "layouts", "dropout", "server", "upstream", "window")
 LAYOUTS = ("cold", "warm", "per_thread")
 PATCHES = ("cudagraph_trees_per_thread", "cudagraph_rng")
 UPSTREAM_FILE = os.path.join(HERE, "pytorch_tests", "test", "inductor", "test_cudagraph_trees.py")
@@ -89,10 +89,11 @@ class Draws:
         self.lock = threading.Lock()
         self.seen: collections.Counter[tuple[float, ...]] = collections.Counter()
 
-    def add(self, t: Any) -> None:
+    def add(self, t: Any) -> tuple[float, ...]:
         key = tuple(float(v) for v in t.flatten()[:16].tolist())
         with self.lock:
             self.seen[key] += 1
+        return key
 
     def repeats(self) -> int:
         with self.lock:
@@ -103,13 +104,18 @@ def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     kinds: collections.Counter[str] = collections.Counter()
     for r in rows:
         kinds.update(r["kinds"])
-    return {"calls": sum(r["calls"] for r in rows), "errors": sum(r["errors"] for r in rows),
-            "mismatches": sum(r["mismatches"] for r in rows), "threads_failing": sum(1 for r in rows if r["errors"]),
-            "kinds": dict(kinds.most_common(3))}
+    res = {"calls": sum(r["calls"] for r in rows), "errors": sum(r["errors"] for r in rows),
+           "mismatches": sum(r["mismatches"] for r in rows), "threads_failing": sum(1 for r in rows if r["errors"]),
+           "kinds": dict(kinds.most_common(3))}
+    draws = sum(r["draws"] for r in rows)
+    if draws:  # random draws attempted outside compiled code, and those that failed (the capture window)
+        res.update(draws=draws, draw_errors=sum(r["draw_errors"] for r in rows),
+                   draw_errors_per_1000=round(1000 * sum(r["draw_errors"] for r in rows) / draws, 3))
+    return res
 
 
 def _new_row() -> dict[str, Any]:
-    return {"calls": 0, "errors": 0, "mismatches": 0, "kinds": collections.Counter()}
+    return {"calls": 0, "errors": 0, "mismatches": 0, "draws": 0, "draw_errors": 0, "kinds": collections.Counter()}
 
 
 def _run_threads(n: int, target: Callable[[int], None]) -> None:
@@ -133,8 +139,13 @@ def child_issue(disabled: bool, threads: int = 32) -> dict[str, Any]:
 
     def worker(i: int) -> None:
         try:
-            x = torch.rand(2, 3, device="cuda")
-            y = torch.rand(2, 3, device="cuda")
+            rows[i]["draws"] += 2
+            try:
+                x = torch.rand(2, 3, device="cuda")
+                y = torch.rand(2, 3, device="cuda")
+            except Exception:
+                rows[i]["draw_errors"] += 1
+                raise
             out = opt_foo(x, y)
             rows[i]["calls"] += 1
             rows[i]["mismatches"] += int(not torch.allclose(out, foo(x, y), atol=1e-5))
@@ -146,6 +157,27 @@ def child_issue(disabled: bool, threads: int = 32) -> dict[str, Any]:
     res = {"threads": threads, **_summary(rows)}
     res["ok"] = res["errors"] == 0 and res["mismatches"] == 0
     return res
+
+
+def _mismatch(torch: Any, i: int, n: int, row: dict[str, Any], model: Any, fn: Any, x: Any, key: tuple[float, ...],
+              out: Any, ref: Any, prev: tuple[Any, Any] | None, counts: Any) -> dict[str, Any]:
+    """What a wrong output looked like, read before anything else runs in this thread: how much of it is
+    wrong, whether the input changed after it was drawn, whether the output is the previous call's answer
+    (a stale or overwritten graph output), whether eager and the compiled call agree when called again."""
+    with torch.no_grad():
+        close = torch.isclose(out, ref, rtol=1e-3, atol=1e-3)
+        d: dict[str, Any] = {
+            "thread": i, "call": n, "max_err": float((out - ref).abs().max()), "frac_wrong": round(1 - float(close.float().mean()), 4),
+            "nan": bool(torch.isnan(out).any()), "errors_before": row["errors"],
+            "input_changed": tuple(float(v) for v in x.flatten()[:16].tolist()) != key,
+            "equals_prev_ref": bool(prev is not None and torch.allclose(out, prev[1], rtol=1e-3, atol=1e-3)),
+            "out_data_ptr_is_input": out.data_ptr() == x.data_ptr(),
+            "counts_in_thread": dict(counts.in_thread(threading.get_ident())),
+            "main_thread": threading.current_thread() is threading.main_thread(),
+        }
+        d["ref_again_ok"] = bool(torch.allclose(ref, model(x), rtol=1e-3, atol=1e-3))
+        d["again_ok"] = bool(torch.allclose(fn(x), model(x), rtol=1e-3, atol=1e-3))
+    return d
 
 
 def child_layout(disabled: bool, layout: str, threads: int = 16, calls: int = 20, width: int = 256) -> dict[str, Any]:
@@ -163,23 +195,26 @@ def child_layout(disabled: bool, layout: str, threads: int = 16, calls: int = 20
 
     def calls_in(i: int, model: Any, fn: Any) -> None:
         row = rows[i]
-        for _ in range(calls):
+        prev: tuple[Any, Any] | None = None  # the previous call's input and eager output (is a wrong output stale?)
+        for n in range(calls):
+            row["draws"] += 1
             try:
                 x = torch.rand(64, width, device="cuda")
-                draws.add(x)
+            except Exception as e:
+                row["errors"] += 1
+                row["draw_errors"] += 1
+                row["kinds"][_kind(e)] += 1
+                continue
+            try:
+                key = draws.add(x)
                 with torch.no_grad():
                     out = fn(x)
                     ref = model(x)
                 row["calls"] += 1
                 if not torch.allclose(out, ref, rtol=1e-3, atol=1e-3):
                     row["mismatches"] += 1
-                    # what a mismatch looked like: its size, whether this thread had failed before, and
-                    # whether the same input gives the right answer when called again at once
-                    with torch.no_grad():
-                        again = torch.allclose(fn(x), model(x), rtol=1e-3, atol=1e-3)
-                    row.setdefault("mismatch_detail", []).append(
-                        {"thread": i, "call": row["calls"], "max_err": float((out - ref).abs().max()),
-                         "errors_before": row["errors"], "again_ok": again})
+                    row.setdefault("mismatch_detail", []).append(_mismatch(torch, i, n, row, model, fn, x, key, out, ref, prev, counts))
+                prev = (x, ref)
             except Exception as e:
                 row["errors"] += 1
                 row["kinds"][_kind(e)] += 1
@@ -243,11 +278,13 @@ def child_dropout(disabled: bool, drawers: int = 4, steps: int = 12, width: int 
     def drawer(i: int) -> None:
         row = rows[i]
         while not stop.is_set():
+            row["draws"] += 1
             try:
                 draws.add(torch.rand(4096, device="cuda"))
                 row["calls"] += 1
             except Exception as e:
                 row["errors"] += 1
+                row["draw_errors"] += 1
                 row["kinds"][_kind(e)] += 1
                 time.sleep(0.001)
 
@@ -262,6 +299,118 @@ def child_dropout(disabled: bool, drawers: int = 4, steps: int = 12, width: int 
            "equal_mask_pairs": same_masks, "losses_finite": all(v == v and abs(v) < 1e6 for v in losses),
            "last_loss": losses[-1] if losses else None}
     res["ok"] = (res["errors"] == 0 and res["repeats"] == 0 and len(masks) == steps and same_masks == 0 and res["losses_finite"])
+    return res
+
+
+WINDOW_VARIANTS = ("none", "1e-4", "1e-5")
+
+
+def child_window(disabled: bool, drawers: int = 8, rounds: int = 20, per_round: int = 40, variants: str = ",".join(WINDOW_VARIANTS),
+                 numel: int = 4096) -> dict[str, Any]:
+    """The capture window alone: ``drawers`` threads draw ``torch.rand(numel, device="cuda")`` without pause
+    while one more thread captures small CUDA graphs (no random op in them) one after another, through
+    ``CUDAGraph.capture_begin``/``capture_end`` (``thread_local`` capture mode, a side stream). Each
+    variant of ``cudagraph_rng``'s switch (``begin_switch_interval``: none, or a GIL switch interval in
+    seconds set for the duration of ``capture_begin``) captures ``per_round`` graphs per round, the variants
+    interleaved round by round. Per variant: draws, failed draws (the window), failed draws per 1,000 draws
+    and per capture, and the wall time of ``capture_begin`` seen by the capturing thread. With
+    ``TTC_DISABLE=1`` only "none" runs (upstream: the live state is in capture mode for the whole capture)."""
+    torch = _setup()
+    names = ["none"] if disabled else [v for v in variants.split(",") if v]
+    rt = None
+    if not disabled:
+        from torch_threadsafe_compile.patches import cudagraph_rng as cr
+
+        rt = cr._RUNTIME
+        if rt is None or not hasattr(rt, "begin_switch_interval"):
+            names = ["none"]
+    current = [0]
+    stop = threading.Event()
+    stats = [[collections.Counter() for _ in names] for _ in range(drawers)]
+    kinds: collections.Counter[str] = collections.Counter()
+    begin_us: list[list[float]] = [[] for _ in names]
+    captures = [0 for _ in names]
+    window_us = [0.0 for _ in names]  # the patch's own measure: default generator pointed at the private state
+    capture_errors: collections.Counter[str] = collections.Counter()
+
+    def drawer(i: int) -> None:
+        mine = stats[i]
+        while not stop.is_set():
+            v = current[0]
+            try:
+                t = torch.rand(numel, device="cuda")
+                t.add_(1.0)
+                mine[v]["draws"] += 1
+            except Exception as e:
+                mine[v]["draws"] += 1
+                mine[v]["errors"] += 1
+                kinds[_kind(e)] += 1
+
+    def capturer() -> None:
+        x = torch.ones(1024, device="cuda")
+        side = torch.cuda.Stream()
+        torch.cuda.synchronize()
+        for _ in range(rounds):
+            for v, name in enumerate(names):
+                current[0] = v
+                if rt is not None:
+                    rt.begin_switch_interval = None if name == "none" else float(name)
+                    w0 = rt.stats.get("window_us_total", 0.0)
+                for _ in range(per_round):
+                    g = torch.cuda.CUDAGraph()
+                    try:
+                        with torch.cuda.stream(side):
+                            t0 = time.perf_counter()
+                            g.capture_begin(capture_error_mode="thread_local")
+                            begin_us[v].append((time.perf_counter() - t0) * 1e6)
+                            try:
+                                y = x * 2 + 1
+                            finally:
+                                g.capture_end()
+                        g.replay()
+                        captures[v] += 1
+                        del y
+                    except Exception as e:
+                        capture_errors[_kind(e)] += 1
+                    del g
+                    time.sleep(0.002)
+                if rt is not None:
+                    window_us[v] += rt.stats.get("window_us_total", 0.0) - w0
+        if rt is not None:
+            rt.begin_switch_interval = None
+        stop.set()
+
+    ts = [threading.Thread(target=drawer, args=(i,), name=f"d{i}") for i in range(drawers)]
+    for t in ts:
+        t.start()
+    time.sleep(0.5)
+    cap = threading.Thread(target=capturer, name="capturer")
+    cap.start()
+    cap.join(600)
+    stop.set()
+    for t in ts:
+        t.join(60)
+    torch.cuda.synchronize()
+
+    def pct(vals: list[float], q: float) -> float | None:
+        return round(sorted(vals)[min(len(vals) - 1, int(q * len(vals)))], 1) if vals else None
+
+    per = {}
+    for v, name in enumerate(names):
+        d = sum(stats[i][v]["draws"] for i in range(drawers))
+        e = sum(stats[i][v]["errors"] for i in range(drawers))
+        per[name] = {"captures": captures[v], "draws": d, "draw_errors": e,
+                     "errors_per_1000_draws": round(1000 * e / d, 3) if d else None,
+                     "errors_per_100_captures": round(100 * e / captures[v], 2) if captures[v] else None,
+                     "capture_begin_us_p50": pct(begin_us[v], 0.5), "capture_begin_us_p90": pct(begin_us[v], 0.9),
+                     "capture_begin_us_max": pct(begin_us[v], 1.0),
+                     "window_us_mean": round(window_us[v] / captures[v], 1) if captures[v] and rt is not None else None}
+    report = {}
+    if rt is not None:
+        report = {k: v for k, v in rt.stats.items() if "window" in k or k in ("private_captures", "upstream_captures")}
+    res = {"drawers": drawers, "variants": per, "kinds": dict(kinds.most_common(3)), "capture_errors": dict(capture_errors),
+           "report": report}
+    res["ok"] = not capture_errors and all(p["captures"] for p in per.values())
     return res
 
 
@@ -371,6 +520,7 @@ CHILDREN: dict[str, Callable[..., dict[str, Any]]] = {
     "issue": child_issue,
     **{f"layout_{name}": (lambda disabled, name=name, **kw: child_layout(disabled, name, **kw)) for name in LAYOUTS},
     "dropout": child_dropout,
+    "window": child_window,
     "server": child_server,
     "server_main": child_server_main,
 }
@@ -460,10 +610,12 @@ def plan(a: argparse.Namespace) -> list[dict[str, Any]]:
         raise SystemExit(f"--only: unknown {sorted(groups - set(GROUPS))}; choose from {','.join(GROUPS)}")
     jobs: list[dict[str, Any]] = []
 
-    def add(name: str, timeout: float, **kwargs: Any) -> None:
-        for disabled in (True, False):
+    modes = {"both": (True, False), "active": (False,), "off": (True,)}[a.modes]
+
+    def add(name: str, timeout: float, run: int = 0, **kwargs: Any) -> None:
+        for disabled in modes:
             jobs.append({"name": name, "disabled": disabled, "timeout": timeout, "kwargs": kwargs,
-                         "tag": f"{name}-{'off' if disabled else 'on'}"})
+                         "tag": f"{name}-{'off' if disabled else 'on'}" + (f"-r{run}" if run else "")})
 
     if "server" in groups:  # longest first
         add("server", a.timeout * 2, workers=a.workers, requests=a.requests)
@@ -471,10 +623,13 @@ def plan(a: argparse.Namespace) -> list[dict[str, Any]]:
     if "dropout" in groups:
         add("dropout", a.timeout)
     if "layouts" in groups:
-        for name in LAYOUTS:
-            add(f"layout_{name}", a.timeout, threads=a.threads, calls=a.calls)
+        for r in range(a.repeat):  # round by round, so that a budget cut leaves whole rounds
+            for name in ("warm", "cold", "per_thread"):
+                add(f"layout_{name}", a.timeout, run=r + 1 if a.repeat > 1 else 0, threads=a.threads, calls=a.calls)
     if "issue" in groups:
         add("issue", a.timeout)
+    if "window" in groups:
+        add("window", a.timeout, drawers=a.window_drawers, variants=a.window_variants)
     if "upstream" in groups:
         jobs.append({"name": "upstream", "disabled": False, "timeout": a.upstream_timeout, "kwargs": {}, "tag": "upstream"})
     return jobs
@@ -501,7 +656,7 @@ def _fmt(v: Any) -> str:
 
 def table(rows: list[dict[str, Any]]) -> str:
     cols = ("job", "ok", "calls", "errors", "threads_failing", "mismatches", "repeats", "threads_with_replays", "equal_mask_pairs",
-            "greedy_equal_eager", "tokens_per_s_1", "tokens_per_s_n", "wall_s")
+            "greedy_equal_eager", "tokens_per_s_1", "tokens_per_s_n", "draws", "draw_errors", "draw_errors_per_1000", "wall_s")
     out = ["| " + " | ".join(cols) + " | errors seen |", "|" + "---|" * (len(cols) + 1)]
     for r in rows:
         why = r.get("skipped") or r.get("kinds") or r.get("exception") or ("hung" if r.get("hung") else None)
@@ -519,6 +674,12 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=200, help="server: requests with --workers workers")
     ap.add_argument("--timeout", type=float, default=150, help="per run (server: 2x)")
     ap.add_argument("--upstream-timeout", type=float, default=240, help="upstream: per file and mode")
+    ap.add_argument("--modes", choices=("both", "active", "off"), default="both",
+                    help="run each scenario with TTC_DISABLE=1 and active (both), or one of them")
+    ap.add_argument("--repeat", type=int, default=1, help="layouts: runs of each layout and mode")
+    ap.add_argument("--window-drawers", type=int, default=8, help="window: drawing threads")
+    ap.add_argument("--window-variants", default=",".join(WINDOW_VARIANTS),
+                    help="window: cudagraph_rng.begin_switch_interval values to compare (none, or seconds)")
     ap.add_argument("--jobs", type=int, default=3, help="runs at a time (they share the GPU)")
     ap.add_argument("--budget", type=float, default=420, help="start no run after this many seconds")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)

@@ -54,6 +54,7 @@ import itertools
 import logging
 import sys
 import threading
+import time
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
@@ -183,7 +184,11 @@ class _Runtime:
         self.counter = itertools.count(1)
         self.stats = {"private_captures": 0, "captures_that_drew": 0, "redirected_ops": 0, "refused_draws": 0,
                       "upstream_captures": 0, "recordings_without_restore": 0, "recordings_with_restore": 0,
-                      "switch_errors": 0}
+                      "switch_errors": 0, "window_us_total": 0.0, "window_us_max": 0.0}
+        # A GIL switch interval (s) set while ``capture_begin`` runs, so that the capturing thread takes the
+        # GIL back sooner after it (the window ends when it has): None keeps the program's. Measured on the
+        # GPU with ``bench/cudagraph_rng.py --only window`` (docs/results).
+        self.begin_switch_interval: float | None = None
         self.threads_started: Callable[[], bool] = threads_started
         self.current_device: Callable[[], int] = lambda: torch.cuda.current_device()
         self.default_generator: Callable[[int], Any] = lambda i: torch.cuda.default_generators[i]
@@ -210,9 +215,14 @@ class _Runtime:
         private = self.new_generator(index)
         private.manual_seed(self.private_seed(default))
         live = default.graphsafe_get_state()  # a generator object sharing the default's state
+        interval = self.begin_switch_interval
         with self.swap_lock:
+            saved = sys.getswitchinterval() if interval else None
+            t0 = time.perf_counter()
             default.graphsafe_set_state(private)
             try:
+                if saved is not None:
+                    sys.setswitchinterval(interval)
                 result = original(graph, *args, **kwargs)  # registers `private`'s state, not the live one
             finally:
                 try:
@@ -220,6 +230,12 @@ class _Runtime:
                 except Exception:
                     self.stats["switch_errors"] += 1
                     raise
+                finally:
+                    window = (time.perf_counter() - t0) * 1e6  # the default generator pointed at `private`
+                    if saved is not None:
+                        sys.setswitchinterval(saved)
+                    self.stats["window_us_total"] += window
+                    self.stats["window_us_max"] = max(self.stats["window_us_max"], window)
         if self.mode_class is None:
             self.mode_class = make_redirect_mode(self.torch)
         mode = self.mode_class(private, f"cuda:{index}", self.stats)
