@@ -12,7 +12,7 @@
 #   full         the whole file in $SHARDS round-robin shards per mode (bench/gpu_shard_plugin.py), off and on
 #                interleaved; no shard starts after $DEADLINE s, and every process stops by $HARD_END s;
 #   rerun        the tests that failed only active in `full` (or the node ids in $NODEIDS_FILE), $RERUNS times
-#                in each mode (one process per mode and round, both modes at once).
+#                in each mode (one process per mode and round, both modes at once; one after the other if JOBS=1).
 # Every pytest process gets an empty TORCHINDUCTOR_CACHE_DIR; SIGINT at its timeout, so pytest still prints
 # what ran. bench/gpu_cudagraph_summary.py makes WORK/summary.md (per mode: passed, failed; active-only).
 set -u
@@ -86,8 +86,13 @@ if [[ ",$STEPS," == *,rerun,* ]]; then
     echo "rerun: ${#NODES[@]} tests x $RERUNS rounds per mode: ${NODES[*]}" >> "$WORK/steps.txt"
     for ((r = 1; r <= RERUNS; r++)); do
       if [ $(( HARD_END - ($(date +%s) - T0) )) -lt 90 ]; then echo "rerun round $r: not started (deadline)" >> "$WORK/steps.txt"; break; fi
-      pt "rerun-off-$r" off "$RERUN_TIMEOUT" "${NODES[@]}" & pt "rerun-on-$r" on "$RERUN_TIMEOUT" "${NODES[@]}" &
-      wait; pack
+      if [ "$JOBS" -ge 2 ]; then
+        pt "rerun-off-$r" off "$RERUN_TIMEOUT" "${NODES[@]}" & pt "rerun-on-$r" on "$RERUN_TIMEOUT" "${NODES[@]}" &
+        wait
+      else  # one process at a time
+        pt "rerun-off-$r" off "$RERUN_TIMEOUT" "${NODES[@]}"; pt "rerun-on-$r" on "$RERUN_TIMEOUT" "${NODES[@]}"
+      fi
+      pack
     done
   else
     echo "rerun: nothing to rerun ($IDS empty or missing)" >> "$WORK/steps.txt"

@@ -5,11 +5,14 @@
 #
 #   PYTHONPATH=$PWD:$PWD/sitecustomize OUT=/some/dir bash bench/gpu_layouts_window_trainer.sh [steps]
 #
-# Steps (comma list, run in this order: layouts, trainer, window):
+# With RERUN_IDS (a file of test_cudagraph_trees.py node ids): those tests $RERUNS times per mode, one process at
+# a time, beside the layouts (which then run 2 at a time).
+# Steps (comma list, run in this order: layouts, trainer, window, scenarios):
 #   layouts  bench/cudagraph_rng.py --only layouts --modes active --repeat $REPEAT (3 runs at once)
 #   trainer  bench/bench_trainer.py: cuda-small 4 + 4 vs sequential x4 (600 steps), then multi-gpu 5 + 3 vs
 #            sequential x3 (200 steps), alone on the GPU, one inductor cache for all runs
 #   window   bench/cudagraph_rng.py --only window (TTC_DISABLE=1, then active with each switch variant), alone
+#   scenarios (not by default) in the time left: bench/cudagraph_rng.py --only issue,dropout, both modes
 # Every step gets what is left of $HARD_END s (default 570) at most.
 set -u
 cd "$(dirname "$0")/.."
@@ -46,10 +49,21 @@ step() {  # name limit command...
 } > "$WORK/env.txt" 2>&1
 cp "$WORK/env.txt" "$WORK/summary.txt"
 
+LJOBS=3
+if [ -n "${RERUN_IDS:-}" ] && [ -s "$RERUN_IDS" ]; then  # reruns of upstream tests beside the layouts: 1 + 2 processes
+  LJOBS=2
+  (JOBS=1 NODEIDS_FILE="$RERUN_IDS" RERUNS=${RERUNS:-3} HARD_END=${RERUN_END:-230} WORK="$WORK/reruns" OUT="$WORK/reruns-out" \
+     bash bench/gpu_cudagraph_trees.sh rerun > "$WORK/reruns.txt" 2>&1) &
+  RPID=$!
+fi
 if [[ ",$STEPS," == *,layouts,* ]]; then
-  step layouts 200 "$PY" bench/cudagraph_rng.py --only layouts --modes active --repeat "$REPEAT" --jobs 3 --budget 150 \
+  step layouts 220 "$PY" bench/cudagraph_rng.py --only layouts --modes active --repeat "$REPEAT" --jobs "$LJOBS" --budget 170 \
     --timeout 100 --out "$WORK/layouts"
   tail -n 22 "$WORK/layouts.txt" >> "$WORK/summary.txt"; pack
+fi
+if [ -n "${RPID:-}" ]; then
+  wait "$RPID"; echo "== reruns: rc=$?, at +$(( $(date +%s) - T0 )) s" >> "$WORK/summary.txt"
+  cat "$WORK/reruns/summary.md" >> "$WORK/summary.txt" 2>/dev/null; pack
 fi
 if [[ ",$STEPS," == *,trainer,* ]]; then
   X="--eval-every 0 --no-checkpoint"
@@ -70,6 +84,16 @@ import json, sys
 for r in json.load(open('$WORK/window/cudagraph_rng.json')):
     print(r.get('job'), json.dumps(r.get('variants')), r.get('kinds'), r.get('capture_errors'), r.get('report'))
 " >> "$WORK/summary.txt" 2>&1; pack
+fi
+if [[ ",$STEPS," == *,scenarios,* ]]; then  # what time is left: issue and dropout, both modes, 2 at a time
+  l=$(left)
+  if [ "$l" -gt 80 ]; then
+    step scenarios "$l" "$PY" bench/cudagraph_rng.py --only issue,dropout --jobs 2 --budget $(( l - 60 )) --timeout 50 \
+      --out "$WORK/scenarios"
+    tail -n 8 "$WORK/scenarios.txt" >> "$WORK/summary.txt"; pack
+  else
+    echo "== scenarios: not run (time)" >> "$WORK/summary.txt"
+  fi
 fi
 echo "total $(( $(date +%s) - T0 )) s" >> "$WORK/summary.txt"
 pack
