@@ -221,7 +221,7 @@ class _Runtime:
             t0 = time.perf_counter()
             default.graphsafe_set_state(private)
             try:
-                if saved is not None:
+                if saved is not None and interval is not None:
                     sys.setswitchinterval(interval)
                 result = original(graph, *args, **kwargs)  # registers `private`'s state, not the live one
             finally:
