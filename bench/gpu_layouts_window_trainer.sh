@@ -57,8 +57,9 @@ if [ -n "${RERUN_IDS:-}" ] && [ -s "$RERUN_IDS" ]; then  # reruns of upstream te
   RPID=$!
 fi
 if [[ ",$STEPS," == *,layouts,* ]]; then
-  step layouts 220 "$PY" bench/cudagraph_rng.py --only layouts --modes active --repeat "$REPEAT" --jobs "$LJOBS" --budget 170 \
-    --timeout 100 --out "$WORK/layouts"
+  lb=$(left); [ "$lb" -gt 220 ] && lb=220
+  step layouts "$lb" "$PY" bench/cudagraph_rng.py --only layouts --modes active --repeat "$REPEAT" --jobs "$LJOBS" \
+    --budget $(( lb - 70 )) --timeout 60 --out "$WORK/layouts"
   tail -n 22 "$WORK/layouts.txt" >> "$WORK/summary.txt"; pack
 fi
 if [ -n "${RPID:-}" ]; then

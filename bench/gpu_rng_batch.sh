@@ -11,7 +11,8 @@
 #      TTC_DISABLE=1 and active, in fresh interpreters.
 #   2. at the same time, bench/soak.py on the GPU with inductor, 16 threads x 20 functions, every input drawn
 #      in the worker threads from the CUDA default generator (--device-rand): active and TTC_DISABLE=1, and
-#      active with mode="reduce-overhead" (CUDA graphs recorded while the other threads draw).
+#      active with mode="reduce-overhead" (CUDA graphs recorded while the other threads draw), one after the
+#      other (step 1 runs 2 scenarios at a time: at most 3 processes share the GPU).
 #   3. tests/test_cudagraph_rng.py -m cuda on the JSON of step 1.
 # upstream: PyTorch's test/inductor/test_cudagraph_trees.py (bench/pytorch_tests) with the package active
 #   and off (bench/upstream_tests.py through cudagraph_rng.py's `upstream` job).
@@ -45,13 +46,12 @@ soak() {  # name, then soak.py arguments
     --device-rand --json "$@" > "$OUT/soak-$name.txt" 2>&1
   echo "soak $name rc=$? after $(( $(date +%s) - t0 )) s" >> "$OUT/env-$STEP.txt"
 }
-soak inductor-active & s1=$!
-soak inductor-off --disable & s2=$!
-soak reduce-overhead-active --mode reduce-overhead & s3=$!
-timeout 500 "$PY" bench/cudagraph_rng.py --only issue,layouts,dropout,server --out "$OUT/rng" --budget 240 --timeout 150 --jobs 3 \
+# at most 3 processes on the GPU at once: the soaks one after another, beside 2 scenario runs at a time
+(soak inductor-active; soak inductor-off --disable; soak reduce-overhead-active --mode reduce-overhead) & s1=$!
+timeout 500 "$PY" bench/cudagraph_rng.py --only issue,layouts,dropout,server --out "$OUT/rng" --budget 240 --timeout 150 --jobs 2 \
   > "$OUT/cudagraph_rng.txt" 2>&1
 echo "cudagraph_rng.py rc=$? after $(( $(date +%s) - t0 )) s" >> "$OUT/env-$STEP.txt"
-wait $s1 $s2 $s3
+wait $s1
 if [ -f "$OUT/rng/cudagraph_rng.json" ]; then
   TTC_RNG_BENCH_JSON="$OUT/rng/cudagraph_rng.json" timeout 60 "$PY" -m pytest -m cuda tests/test_cudagraph_rng.py -q -p no:cacheprovider \
     > "$OUT/pytest-cuda-rng.txt" 2>&1
