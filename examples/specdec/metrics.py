@@ -267,6 +267,13 @@ class Progress:
         elif step % self.every == 0 or step == total:
             print(f"step {step}/{total} " + " ".join(f"{k}={v}" for k, v in info.items()), flush=True)
 
+    def note(self, line: str) -> None:
+        """One line about what the run is doing, above the bar when there is one (tqdm keeps its bar intact)."""
+        if self.bar is not None:
+            self.bar.write(line)
+        else:
+            print(line, flush=True)
+
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
