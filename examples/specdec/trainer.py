@@ -61,6 +61,6 @@ def first_step_line(cfg: Config, cuda: bool) -> str:
                else "the sequential workers")
     if cfg.no_compile:
         return f"starting {threads} (eager: --no-compile)…"
-    how_long = "" if cuda else "; a minute or more on CPU"
+    how_long = "" if cuda else "; on CPU about a minute with cold compile caches, less with warm ones"
     return (f"starting {threads}; the first step compiles the target forward and the drafter loss, forward and "
             f"backward ({cfg.compile_backend}{how_long})…")
