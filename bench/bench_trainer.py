@@ -139,10 +139,9 @@ def table(results: List[Dict[str, Any]]) -> str:
         comp = s.get("compile", {}) or {}
         errs = s.get("errors", {}) or {}
         peak = s.get("peak_gpu_mem_bytes")
-        ttc = s.get("ttc", {})
-        importable = ttc.get("importable") if isinstance(ttc, dict) else ttc == "active"
-        active = "no (TTC_DISABLE=1)" if s.get("ttc_disable_env") == "1" else (
-            "yes" if importable else "package not importable")
+        ttc = s.get("ttc")
+        # The trainer's summary.json holds what the package's status() said (examples/specdec/package_state.py).
+        active = fmt(ttc.get("label") if isinstance(ttc, dict) else None)
         hung = status_of(r) in ("timeout", "hung")
         rows.append("| " + " | ".join([
             r["label"], status_of(r), fmt(r["rc"]), "YES" if hung else "no", fmt(r["wall"]),

@@ -526,11 +526,19 @@ CHILDREN: dict[str, Callable[..., dict[str, Any]]] = {
 }
 
 
+def unpatched_side() -> bool:
+    """Whether this child is the unpatched side (the parent sets TTC_DISABLE=1 for it), in the package's own words:
+    its status() says "disabled" for every spelling of the variable it accepts."""
+    import torch_threadsafe_compile as ttc
+
+    return bool(ttc.status()["activation"] == "disabled")
+
+
 def child_main(name: str, kwargs: dict[str, Any], watchdog: float) -> None:
     import faulthandler
 
     faulthandler.dump_traceback_later(watchdog, exit=True)
-    disabled = bool(os.environ.get("TTC_DISABLE"))
+    disabled = unpatched_side()
     t0 = time.time()
     try:
         res = CHILDREN[name](disabled, **kwargs)

@@ -536,13 +536,21 @@ CHILDREN: dict[str, Callable[..., dict[str, Any]]] = {
 }
 
 
+def unpatched_side() -> bool:
+    """Whether this child is the unpatched side (the parent sets TTC_DISABLE=1 for it), in the package's own words:
+    its status() says "disabled" for every spelling of the variable it accepts."""
+    import torch_threadsafe_compile as ttc
+
+    return bool(ttc.status()["activation"] == "disabled")
+
+
 def child_main(name: str, kwargs: dict[str, Any], watchdog: float, device: str) -> None:
     import faulthandler
 
     global DEVICE
     DEVICE = device
     faulthandler.dump_traceback_later(watchdog, exit=True)  # a hang: every thread's stack, then exit
-    disabled = bool(os.environ.get("TTC_DISABLE"))
+    disabled = unpatched_side()
     try:
         res = CHILDREN[name](disabled, **kwargs)
     except BaseException as e:  # noqa: BLE001 - the parent reports it

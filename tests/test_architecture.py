@@ -4,12 +4,15 @@
   is an edge to ``pkg.mod``; a package's parent, which Python imports anyway, is not an edge);
 * no function longer than 120 lines, in the reference trainer (``examples/``) too;
 * no frame locals read for control flow: ``f_locals`` appears only where guards are evaluated on a
-  frame's arguments (``first_compile/_cache_probe.py``).
+  frame's arguments (``first_compile/_cache_probe.py``);
+* no module outside ``_env`` reads the package's ``TTC_*`` variables, in the trainer, the benches and the test
+  harness too: they ask ``status()``.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parents[1] / "torch_threadsafe_compile"
@@ -149,3 +152,55 @@ def test_no_long_functions() -> None:
 def test_no_frame_locals_for_control_flow() -> None:
     uses = [str(p.relative_to(PKG)) for p in PKG.rglob("*.py") if "f_locals" in p.read_text()]
     assert set(uses) <= F_LOCALS_ALLOWED, uses
+
+
+# The package's own variables: every TTC_* name that _env, their one parser, knows of.
+PACKAGE_VARIABLES = frozenset(
+    node.value for node in ast.walk(ast.parse((PKG / "_env.py").read_text()))
+    if isinstance(node, ast.Constant) and isinstance(node.value, str) and re.fullmatch(r"TTC_[A-Z_]+", node.value)
+)
+# Where such a variable may be read: its parser. Everything else asks the package (``status()``); setting one for a
+# child process (``--no-ttc``'s re-exec, a bench's unpatched side) is not a read.
+READERS_ALLOWED = {"torch_threadsafe_compile/_env.py"}
+
+
+def _package_variable(node: ast.AST, names: dict[str, str]) -> str | None:
+    value = node.value if isinstance(node, ast.Constant) else names.get(node.id) if isinstance(node, ast.Name) else None
+    return value if value in PACKAGE_VARIABLES else None
+
+
+def _variable_reads(path: Path) -> list[str]:
+    """Reads of a package variable's value: ``x.get("TTC_…")``, ``getenv("TTC_…")``, ``environ["TTC_…"]``,
+    ``"TTC_…" in environ``, the name also through a module-level constant."""
+    tree = ast.parse(path.read_text())
+    names = {t.id: n.value.value for n in tree.body if isinstance(n, ast.Assign) and isinstance(n.value, ast.Constant)
+             for t in n.targets if isinstance(t, ast.Name) and isinstance(n.value.value, str)}
+    found = []
+    for node in ast.walk(tree):
+        var = None
+        if isinstance(node, ast.Call) and node.args:
+            func = node.func
+            called = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+            var = _package_variable(node.args[0], names) if called in ("get", "getenv") else None
+        elif isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load):
+            var = _package_variable(node.slice, names)
+        elif isinstance(node, ast.Compare) and any(isinstance(op, (ast.In, ast.NotIn)) for op in node.ops):
+            var = _package_variable(node.left, names)
+        if var is not None:
+            found.append(f"{path}:{node.lineno}: reads {var}")
+    return found
+
+
+def test_no_module_outside_env_reads_the_package_variables() -> None:
+    """One owner of "is the package active, and which patches are in force": its ``status()``. Before: the trainer
+    read ``TTC_DISABLE`` itself with ``== "1"`` in four modules (the package also accepts true/yes/on/all), and two
+    benches and the free-threading harness took any value for "off"."""
+    assert {"TTC_DISABLE", "TTC_LOG", "TTC_WATCHDOG"} <= PACKAGE_VARIABLES
+    repo = PKG.parent
+    reads = []
+    for top in ("torch_threadsafe_compile", "examples", "bench", "ttc_testing", "sitecustomize"):
+        for path in sorted((repo / top).rglob("*.py")):
+            if str(path.relative_to(repo)) not in READERS_ALLOWED:
+                reads += _variable_reads(path)
+    assert not reads, "\n".join(reads)
+    assert _variable_reads(PKG / "_env.py"), "the scan finds nothing even in the parser: it proves nothing"

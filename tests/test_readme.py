@@ -3,6 +3,7 @@ start's test command is the one CI runs. ``bench/readme_commands.py`` runs them 
 
 from __future__ import annotations
 
+import difflib
 import re
 import subprocess
 import sys
@@ -47,3 +48,32 @@ def test_python_requires_matches_readme() -> None:
     cfg = (ROOT / "setup.cfg").read_text()
     assert re.search(r"python_requires\s*=\s*>=\s*3\.10", cfg)
     assert "Python 3.10 or newer" in README.read_text()
+
+
+def _shown(text: str) -> list[str]:
+    """A sample as compared: the interpreter's version and path are the machine's, not the project's."""
+    return ["python      <version>  (<interpreter>)" if line.startswith("python      ") else line
+            for line in text.splitlines()]
+
+
+def _rows(lines: list[str]) -> list[list[str]]:
+    """The doctor table's patch, hazard and torch-range columns (what the registry decides, on any torch)."""
+    at = next(i for i, line in enumerate(lines) if line.split()[:2] == ["patch", "hazard"])
+    return [line.split()[:3] for line in lines[at + 1:] if line.strip() and not line.startswith("protection missing")]
+
+
+def test_samples_are_what_a_real_run_prints() -> None:
+    """Every sample output of the README is a transcript of a real run (``bench/readme_commands.py
+    --write-samples``): on the torch the sample names, line for line; on another torch (CI runs 2.11 and 2.15 too)
+    its rows still name every patch of the registry, in order. Before: the doctor sample listed 13 of 21 patches."""
+    text = README.read_text()
+    found = readme_commands.samples(text)
+    assert set(found) == set(readme_commands.SAMPLES), found
+    lines = text.splitlines()
+    for name, (first, end) in found.items():
+        shown, real = _shown("\n".join(lines[first:end])), _shown(readme_commands.sample_text(name))
+        torch_line = [line for line in shown if line.startswith("torch       ")]
+        if torch_line and torch_line[0] in real:
+            assert shown == real, "\n".join(difflib.unified_diff(shown, real, "README.md", "a real run", lineterm=""))
+        else:
+            assert _rows(shown) == _rows(real), (name, _rows(shown), _rows(real))

@@ -49,10 +49,14 @@ def uninstall() -> None:
 def status() -> dict[str, Any]:
     """A structured report: versions, activation mode, and per patch its state and reason.
 
-    ``{"version", "torch", "python", "activation", "inactive_reason", "patches": [{"id", "hazard",
-    "summary", "upstream", "torch_versions", "state", "reason", ["stats"], ["replaced_by_others"]}]}``
-    where ``state`` is one of ``pending`` (waits for its torch module to be imported), ``applied``,
-    ``skipped``, ``failed``, ``reverted``, ``disabled``.
+    ``{"version", "torch", "python", "activation", "inactive_reason", "active", "protection_missing",
+    "patches": [{"id", "hazard", "summary", "upstream", "torch_versions", "state", "reason", ["open"], ["stats"],
+    ["replaced_by_others"]}]}`` where ``activation`` is ``pth``, ``sitecustomize`` or ``explicit`` while active,
+    else ``disabled`` (``TTC_DISABLE``), ``uninstalled`` (:func:`uninstall`) or ``not activated`` (no start-up
+    hook ran); ``inactive_reason`` is None exactly when ``active``; ``protection_missing`` lists why hazards of
+    this torch stay open (empty while the package is off on purpose); and ``state`` is one of ``pending`` (waits
+    for its torch module to be imported), ``applied``, ``skipped``, ``failed``, ``reverted``, ``disabled``
+    (switched off by the user).
     """
     from torch_threadsafe_compile import _report
 

@@ -5,6 +5,11 @@
 ``torch._inductor.cudagraph_trees``; importing them initialises no device; ``--no-dynamo`` skips them),
 then prints versions, how activation happened, and one row per patch. ``--selftest`` runs the hazard
 scenarios in subprocesses, unpatched (``TTC_DISABLE=1``) and active, and prints a before/after table.
+
+Exit status of ``doctor`` (``EXIT_CODES``): 0 every hazard of this torch is covered, or the package is off on
+purpose (``TTC_DISABLE``); 1 protection is missing (torch not importable, the package not activated, a patch
+failed or skipped for a reason other than the torch version) or, with ``--selftest``, a hazard showed in the
+active run; 2 usage.
 """
 
 from __future__ import annotations
@@ -19,6 +24,11 @@ from torch_threadsafe_compile._package_version import __version__
 # Imported by doctor so that every patch can settle (they apply when these are imported).
 TARGET_MODULES = ("torch._dynamo", "torch._functorch.aot_autograd", "torch.export._trace",
                   "torch._inductor.cudagraph_trees")
+EXIT_CODES = (
+    "exit status: 0 every hazard of this torch is covered, or the package is off on purpose (TTC_DISABLE); "
+    "1 protection is missing (torch not importable, the package not activated, a patch failed or was skipped "
+    "for a reason other than the torch version) or, with --selftest, a hazard showed in the active run; 2 usage"
+)
 CODE_CACHE = ("none: rewritten functions are compiled at activation from torch's own source, after checking "
               "that it is the code that runs; nothing is read from or written to disk")
 
@@ -44,6 +54,8 @@ def _activation_line(st: dict[str, Any]) -> str:
     if act == "not activated":
         return (f"{act} — the start-up hook did not run: is the package installed with pip (the .pth file), "
                 "or sitecustomize/ on PYTHONPATH? install() still works")
+    if act == "uninstalled":
+        return f"{act} — uninstall() reverted every patch in this process; install() activates it again"
     return str(act)
 
 
@@ -58,15 +70,14 @@ def _table(patches: list[dict[str, Any]]) -> list[str]:
     return [("  ".join(str(c).ljust(w) for c, w in zip(r[:4], widths)) + "  " + str(r[4])).rstrip() for r in rows]
 
 
-def _missing(st: dict[str, Any]) -> list[str]:
+def _missing(st: dict[str, Any], torch_error: str | None) -> list[str]:
     """Why protection is missing in this process (empty: every hazard of this torch is covered, or the
-    package is off on purpose, ``TTC_DISABLE``)."""
-    if st["activation"] == "disabled":
-        return []
-    out = [f"{p['id']} ({p['hazard']}): {p['state']}" for p in st["patches"] if p.get("open")]
-    if st["activation"] == "not activated":
-        out.insert(0, "not activated")
-    return out
+    package is off on purpose, ``TTC_DISABLE``): ``status()``'s list, and torch itself when it cannot be
+    imported (every patch then waits for it, and none ever applies)."""
+    missing = list(st["protection_missing"])
+    if torch_error is not None and st["activation"] != "disabled":
+        missing.insert(0, f"torch not importable ({torch_error})")
+    return missing
 
 
 def _doctor(args: argparse.Namespace) -> int:
@@ -76,7 +87,7 @@ def _doctor(args: argparse.Namespace) -> int:
 
     torch_error = _import_torch(not args.no_dynamo)
     st = ttc.status()
-    missing = _missing(st)
+    missing = _missing(st, torch_error)
     if args.json:
         print(json.dumps(dict(st, code_cache=CODE_CACHE, protection_missing=missing), indent=2))
         return 1 if missing else 0
@@ -124,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m torch_threadsafe_compile")
     parser.add_argument("--version", action="version", version=f"torch-threadsafe-compile {__version__}")
     sub = parser.add_subparsers(dest="cmd")
-    d = sub.add_parser("doctor", help="versions, activation and the state of every patch")
+    d = sub.add_parser("doctor", help="versions, activation and the state of every patch", epilog=EXIT_CODES)
     d.add_argument("--selftest", action="store_true", help="run the hazard scenarios unpatched vs active")
     d.add_argument("--json", action="store_true", help="print status() as JSON")
     d.add_argument("--no-dynamo", action="store_true", help="import only torch (patches on dynamo stay pending)")

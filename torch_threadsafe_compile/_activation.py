@@ -13,7 +13,7 @@ import warnings
 
 from torch_threadsafe_compile import _env
 
-__all__ = ["TTCWarning", "disabled_by", "start", "stop", "mode", "warn_once", "warn_line"]
+__all__ = ["TTCWarning", "ACTIVE_MODES", "disabled_by", "start", "stop", "mode", "uninstalled", "warn_once", "warn_line"]
 
 
 class TTCWarning(UserWarning):
@@ -22,6 +22,10 @@ class TTCWarning(UserWarning):
 
 # How the package was activated in this process: "pth", "sitecustomize", "explicit" (install()), or None.
 _mode: str | None = None
+ACTIVE_MODES = frozenset({"pth", "sitecustomize", "explicit"})
+# uninstall() ran in this process and no activation since: off at run time, which is not the same as a
+# start-up hook that never ran (the remedy differs: install() again, or fix the installation).
+_uninstalled = False
 
 
 def disabled_by() -> str | None:
@@ -34,24 +38,31 @@ def start(how: str) -> bool:
     """Record that the package is active, activated by ``how``; False when it is disabled. An activation
     that finds the package active already keeps the first one (a ``.pth`` listed twice, ``.pth`` plus
     sitecustomize) and returns True."""
-    global _mode
+    global _mode, _uninstalled
     if _mode is not None:
         return True
     if disabled_by() is not None:
         return False
     _mode = how
+    _uninstalled = False
     return True
 
 
 def stop() -> None:
     """``uninstall()``: not active any more (``install()`` activates again)."""
-    global _mode
+    global _mode, _uninstalled
     _mode = None
+    _uninstalled = True
 
 
 def mode() -> str | None:
     """How the package was activated in this process, or None (not activated, or disabled)."""
     return _mode
+
+
+def uninstalled() -> bool:
+    """Whether ``uninstall()`` turned the package off in this process (and nothing activated it since)."""
+    return _uninstalled
 
 
 _warned = False

@@ -31,8 +31,10 @@ from torch_threadsafe_compile import _forksafe
 
 _MISSING = object()
 
-# (id(obj), attr) -> (obj, attr, original, replacement, patch_id); for is_patched()/get_original().
-_journal_index: dict[tuple[int, str], tuple[Any, str, Any, Any, str]] = {}
+# (id(obj), attr) -> the edits of that attribute in force, oldest first; for is_patched()/get_original(), and
+# so that an edit one patch builds on another's (export_flag routes the code that compile_session_flag
+# routed already) is known as the package's own, not as somebody else's replacement.
+_journal_index: dict[tuple[int, str], list[Edit]] = {}
 # (id(namespace), name) of injected names left bound after revert (Changes.inject, linger=True).
 _lingering: set[tuple[int, str]] = set()
 
@@ -51,10 +53,49 @@ class TargetBusy(Exception):
     shortly, not skipped."""
 
 
-def _record(obj: Any, attr: str, original: Any, new: Any, patch_id: str) -> tuple[int, str]:
-    key = (id(obj), attr)
-    _journal_index[key] = (obj, attr, original, new, patch_id)
-    return key
+class Edit:
+    """One edit in force: ``obj.attr`` (or a function's ``__code__``) was ``original``, is now ``new``, by patch
+    ``patch_id``; ``in_place()`` says whether the target still holds ``new``."""
+
+    __slots__ = ("key", "obj", "attr", "original", "new", "patch_id", "in_place")
+
+    def __init__(self, obj: Any, attr: str, original: Any, new: Any, patch_id: str,
+                 in_place: Callable[[], bool]) -> None:
+        self.key = (id(obj), attr)
+        self.obj, self.attr, self.original, self.new, self.patch_id = obj, attr, original, new, patch_id
+        self.in_place = in_place
+
+
+def _record(edit: Edit) -> Edit:
+    _journal_index.setdefault(edit.key, []).append(edit)
+    return edit
+
+
+def _on_class(cls: type, name: str, value: Any) -> Callable[[], bool]:
+    return lambda: cls.__dict__.get(name) is value
+
+
+def _forget(edit: Edit) -> None:
+    stack = _journal_index.get(edit.key)
+    if stack is None:
+        return
+    stack[:] = [e for e in stack if e is not edit]
+    if not stack:
+        del _journal_index[edit.key]
+
+
+def _holds(edit: Edit) -> bool:
+    """Whether ``edit`` is still in force: its value is in place, or later edits of this package were made on
+    top of it, each taking the one below as its original, and the newest of them is in place."""
+    if edit.in_place():
+        return True
+    stack = _journal_index.get(edit.key, [])
+    at = next((i for i, e in enumerate(stack) if e is edit), None)
+    if at is None or at == len(stack) - 1:
+        return False
+    if any(above.original is not below.new for below, above in zip(stack[at:], stack[at + 1:])):
+        return False
+    return stack[-1].in_place()
 
 
 class Changes:
@@ -63,18 +104,18 @@ class Changes:
     def __init__(self, patch_id: str) -> None:
         self.patch_id = patch_id
         self._undo: list[Callable[[], None]] = []
-        self._checks: list[tuple[str, Callable[[], bool]]] = []
+        self._checks: list[tuple[str, Edit | Callable[[], bool]]] = []
 
     # -- edits -------------------------------------------------------------------------------
     def setattr(self, obj: Any, attr: str, new: Any) -> Any:
         """``setattr(obj, attr, new)``; returns the original. Reads the raw value (no descriptor binding)."""
         original = raw_get(obj, attr)
         setattr(obj, attr, new)
-        key = _record(obj, attr, original, new, self.patch_id)
+        edit = _record(Edit(obj, attr, original, new, self.patch_id, lambda: raw_get(obj, attr) is new))
 
         def undo() -> None:
             current = raw_get(obj, attr)
-            _journal_index.pop(key, None)
+            _forget(edit)
             if current is not new:
                 # Somebody re-wrapped or replaced our object since (e.g. dynamo wraps functions with
                 # `disable`). Putting our original back would silently drop their change: leave it.
@@ -88,7 +129,7 @@ class Changes:
                 setattr(obj, attr, original)
 
         self._undo.append(undo)
-        self._checks.append((f"{_name(obj)}.{attr}", lambda: raw_get(obj, attr) is new))
+        self._checks.append((f"{_name(obj)}.{attr}", edit))
         return original
 
     def wrap(self, owner: Any, attr: str, wrapper: Callable[..., Any]) -> Any:
@@ -111,29 +152,30 @@ class Changes:
             raise TargetMismatch(f"{func.__qualname__}: closure variables differ, cannot swap its code")
         original = func.__code__
         func.__code__ = new_code
-        key = _record(func, "__code__", original, new_code, self.patch_id)
+        edit = _record(Edit(func, "__code__", original, new_code, self.patch_id, lambda: func.__code__ is new_code))
 
         def undo() -> None:
             func.__code__ = original
-            _journal_index.pop(key, None)
+            _forget(edit)
 
         self._undo.append(undo)
-        self._checks.append((f"{func.__module__}.{func.__qualname__}.__code__", lambda: func.__code__ is new_code))
+        self._checks.append((f"{func.__module__}.{func.__qualname__}.__code__", edit))
 
     def redirect_module(self, module: types.ModuleType, properties: dict[str, property], permanent: bool = True) -> ModuleRedirect:
         """Put ``properties`` on the module's :class:`ModuleRedirect` class. ``permanent``: the module wears
         that class from now until revert; otherwise only while something holds the redirect."""
         redirect = ModuleRedirect.of(module)
-        keys = []
+        edits = []
         for name, prop in properties.items():
             setattr(redirect.cls, name, prop)
-            keys.append(_record(module, name, module.__dict__.get(name, _MISSING), prop, self.patch_id))
+            original = module.__dict__.get(name, _MISSING)
+            edits.append(_record(Edit(module, name, original, prop, self.patch_id, _on_class(redirect.cls, name, prop))))
         if permanent:
             redirect.hold()
 
         def undo() -> None:
-            for key in keys:
-                _journal_index.pop(key, None)
+            for edit in edits:
+                _forget(edit)
             for name in properties:
                 if name in redirect.cls.__dict__:
                     delattr(redirect.cls, name)
@@ -190,8 +232,10 @@ class Changes:
             raise errors[0]
 
     def intact(self) -> list[str]:
-        """Names of edits that somebody else has since replaced (re-wrapped, unwrapped, reassigned)."""
-        return [name for name, ok in self._checks if not ok()]
+        """Names of edits that somebody outside this package has since replaced (re-wrapped, unwrapped,
+        reassigned). An edit that a later patch of this package built on is not replaced while that one
+        holds (``_holds``)."""
+        return [name for name, check in self._checks if not (_holds(check) if isinstance(check, Edit) else check())]
 
 
 class ModuleRedirect:
@@ -284,18 +328,19 @@ def _unwrapped(value: Any) -> Any:
     return value
 
 
-def _entry(obj: Any, attr: str) -> tuple[Any, str, Any, Any, str] | None:
-    """The journal entry behind ``obj.attr``: the attribute itself, or the code of the function it holds
-    (looking through wrappers such as dynamo's ``disable`` and ``functools.wraps``)."""
-    entry = _journal_index.get((id(obj), attr))
-    if entry is not None:
-        return entry
+def _entry(obj: Any, attr: str) -> Edit | None:
+    """The first edit behind ``obj.attr`` (its ``original`` is upstream's, whatever patches came later): of
+    the attribute itself, or of the code of the function it holds (looking through wrappers such as dynamo's
+    ``disable`` and ``functools.wraps``)."""
+    stack = _journal_index.get((id(obj), attr))
+    if stack:
+        return stack[0]
     value = raw_get(obj, attr)
     for candidate in (value, getattr(value, "__func__", None), _unwrapped(value)):
         if candidate is not None and candidate is not _MISSING:
-            entry = _journal_index.get((id(candidate), "__code__"))
-            if entry is not None:
-                return entry
+            stack = _journal_index.get((id(candidate), "__code__"))
+            if stack:
+                return stack[0]
     return None
 
 
@@ -309,7 +354,7 @@ def get_original(obj: Any, attr: str) -> Any:
     entry = _entry(obj, attr)
     if entry is None:
         return raw_get(obj, attr)
-    target, what, original, _, _ = entry
+    target, what, original = entry.obj, entry.attr, entry.original
     if what != "__code__":
         return original
     copy = types.FunctionType(original, target.__globals__, target.__name__, target.__defaults__, target.__closure__)

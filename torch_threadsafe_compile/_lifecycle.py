@@ -41,7 +41,7 @@ class State(str, Enum):
     SKIPPED = "skipped"  # see Skip
     FAILED = "failed"  # apply or verify raised; reverted
     REVERTED = "reverted"  # uninstall()
-    DISABLED = "disabled"  # TTC_DISABLE=1 (in snapshot(); never stored)
+    DISABLED = "disabled"  # switched off by the user: TTC_DISABLE=1, or TTC_DISABLE=<its id> (in snapshot(); never stored)
 
 
 class Skip(str, Enum):
@@ -322,8 +322,10 @@ class Snapshot(Frozen):
 
     __slots__ = ("activation", "inactive_reason", "patches")
 
-    activation: str  # how it was activated ("pth", "sitecustomize", "explicit"), "disabled" or "not activated"
-    inactive_reason: str | None  # why it is off ("TTC_DISABLE=1"), None when not disabled
+    # How it was activated ("pth", "sitecustomize", "explicit"), or why not: "disabled" (TTC_DISABLE),
+    # "uninstalled" (uninstall() at run time), "not activated" (no start-up hook ran, no install()).
+    activation: str
+    inactive_reason: str | None  # why it is off, in words ("TTC_DISABLE=1"); None exactly when it is active
     patches: tuple[PatchView, ...]
 
     def __init__(self, activation: str, inactive_reason: str | None, patches: tuple[PatchView, ...]) -> None:
@@ -357,7 +359,10 @@ def _stats(ps: PatchState) -> Any:
         return {"error": repr(e)}
 
 
-def _view(ps: PatchState, mode: str | None, stats: bool) -> PatchView:
+def _view(ps: PatchState, mode: str | None, stats: bool, settings: _env.Settings) -> PatchView:
+    disabled_by = settings.patch_disabled_by(ps.spec.id)
+    if disabled_by is not None:  # off on purpose, stored as a skip once torch is imported: its own state
+        return PatchView(ps.spec, State.DISABLED, f"disabled by {disabled_by}", None)
     opened = ps.state is State.FAILED or ps.skip in LOST or (ps.state is State.PENDING and mode is None)
     reason = ps.reason
     if ps.state is State.PENDING and not reason:
@@ -373,12 +378,29 @@ def snapshot(stats: bool = True) -> Snapshot:
     asked (a process where the start-up hook did not run would otherwise be patched by a status() call).
     """
     disabled_by = _activation.disabled_by()
+    settings = _env.current()
     with _lock:
         mode = _activation.mode()
         table = states()
         if disabled_by is not None:
-            views = tuple(PatchView(ps.spec, State.DISABLED, _env.DISABLE, None) for ps in table.values())
+            reason = f"disabled by {disabled_by}"
+            views = tuple(PatchView(ps.spec, State.DISABLED, reason, None) for ps in table.values())
         else:
-            views = tuple(_view(ps, mode, stats) for ps in table.values())
-    activation = "disabled" if disabled_by is not None else mode or "not activated"
-    return Snapshot(activation, disabled_by, views)
+            views = tuple(_view(ps, mode, stats, settings) for ps in table.values())
+    activation, why = _activation_state(disabled_by, mode)
+    return Snapshot(activation, why, views)
+
+
+NOT_ACTIVATED = "the start-up hook did not run and install() was not called"
+UNINSTALLED = "uninstall() was called in this process; install() activates it again"
+
+
+def _activation_state(disabled_by: str | None, mode: str | None) -> tuple[str, str | None]:
+    """``Snapshot.activation`` and ``inactive_reason``: the reason is None exactly when the package is active."""
+    if disabled_by is not None:
+        return "disabled", disabled_by
+    if mode is not None:
+        return mode, None
+    if _activation.uninstalled():
+        return "uninstalled", UNINSTALLED
+    return "not activated", NOT_ACTIVATED

@@ -12,7 +12,7 @@ from typing import Any
 from torch_threadsafe_compile import _lifecycle
 from torch_threadsafe_compile._package_version import __version__
 
-__all__ = ["build"]
+__all__ = ["build", "protection_missing"]
 
 
 def _row(view: _lifecycle.PatchView) -> dict[str, Any]:
@@ -36,6 +36,19 @@ def _row(view: _lifecycle.PatchView) -> dict[str, Any]:
     return row
 
 
+def protection_missing(snap: _lifecycle.Snapshot) -> list[str]:
+    """Why protection is missing in this process, one entry per cause: the package not activated (no
+    start-up hook ran), and every patch whose hazard stays open for a reason other than this torch's version
+    or an upstream fix. Empty while every hazard of this torch is covered, and while the package is off on
+    purpose (``TTC_DISABLE``, ``uninstall()``): what the user switched off is not missing."""
+    if snap.activation in ("disabled", "uninstalled"):
+        return []
+    out = [f"{view.spec.id} ({view.spec.hazard}): {view.state.value}" for view in snap.patches if view.open]
+    if snap.activation == "not activated":
+        out.insert(0, "not activated")
+    return out
+
+
 def build() -> dict[str, Any]:
     torch_mod = sys.modules.get("torch")
     snap = _lifecycle.snapshot()
@@ -45,5 +58,7 @@ def build() -> dict[str, Any]:
         "python": sys.version.split()[0],
         "activation": snap.activation,
         "inactive_reason": snap.inactive_reason,
+        "active": snap.inactive_reason is None,
+        "protection_missing": protection_missing(snap),
         "patches": [_row(view) for view in snap.patches],
     }

@@ -45,11 +45,12 @@ def force_ft_patches(force: int = 1) -> dict[str, str]:
     """The state of the free-threading patches (``FT_PATCHES``): as the package's lifecycle left them where
     they are registered; with ``force=1`` applied here where they are not (the package active, the patch not
     registered yet). Forcing imports ``torch._dynamo`` (the patches' module) if it is not imported yet."""
-    if os.environ.get("TTC_DISABLE", "0") not in ("", "0"):
-        return dict.fromkeys(FT_PATCHES, "disabled")
     import torch_threadsafe_compile as ttc
 
-    states = {row["id"]: str(row["state"]) for row in ttc.status().get("patches", [])}
+    status = ttc.status()
+    if status["activation"] == "disabled":  # the package's word: TTC_DISABLE has several spellings
+        return dict.fromkeys(FT_PATCHES, "disabled")
+    states = {row["id"]: str(row["state"]) for row in status.get("patches", [])}
     out = {}
     for name in FT_PATCHES:
         if name in states or name in _forced:

@@ -643,7 +643,7 @@ def _ttc_state() -> dict[str, Any]:
 
         st = ttc.status()
         return {
-            "active": not st.get("inactive_reason"),
+            "active": bool(st.get("active")),
             "inactive_reason": st.get("inactive_reason"),
             "patches": {p["id"]: p["state"] for p in st.get("patches", [])},
             "failed": {p["id"]: p.get("reason") for p in st.get("patches", []) if p.get("state") == "failed"},

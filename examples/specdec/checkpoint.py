@@ -16,6 +16,9 @@ from typing import Any
 
 import torch
 
+from . import checkpoint_files
+from .checkpoint_files import CheckpointError
+
 # safetensors is imported where a checkpoint is written or read, not at import: a run with --no-checkpoint
 # does not need it (free-threaded CPython 3.13t has no safetensors wheel: its abi3 wheels do not apply there).
 
@@ -45,24 +48,26 @@ def save(path: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, step: i
 
 
 def find(path: Path) -> Path:
-    """A checkpoint directory itself, or the newest ``ckpt-*`` inside an output directory."""
-    if (path / "checkpoint.safetensors").exists():
-        return path
-    found = sorted(p for p in path.glob("ckpt-*") if (p / "checkpoint.safetensors").exists())
-    if not found:
-        raise FileNotFoundError(f"no checkpoint under {path}")
-    return found[-1]
+    """A checkpoint directory itself, or the newest ``ckpt-NNNNNN`` inside an output directory."""
+    found = checkpoint_files.locate(path)
+    if found is None:
+        raise CheckpointError(f"no checkpoint under {path}")
+    return found
 
 
 def load(path: Path, model: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
-    """Restore weights, optimizer state and RNG in place; returns the step to continue from."""
-    from safetensors import safe_open
+    """Restore weights, optimizer state and RNG in place; returns the step to continue from. The files are checked
+    first (``checkpoint_files.read``), then their tensors against ``model`` and ``opt``: a checkpoint that does not
+    fit raises ``CheckpointError`` naming what differs, before anything is changed."""
     from safetensors.torch import load_file
 
-    file = str(path / "checkpoint.safetensors")
-    with safe_open(file, framework="pt") as f:
-        meta = f.metadata()
-    tensors = load_file(file)
+    info = checkpoint_files.read(path)
+    groups = json.loads(info.metadata["param_groups"])
+    check_fits(info, model, opt, groups)
+    try:
+        tensors = load_file(str(path / checkpoint_files.WEIGHTS))
+    except Exception as e:  # the file changed since it was checked, or safetensors disagrees with the check
+        raise CheckpointError(f"{path}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
     dev = next(model.parameters()).device
     model.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")}, strict=True)
     state: dict[int, dict[str, torch.Tensor]] = {}
@@ -70,6 +75,43 @@ def load(path: Path, model: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
         if key.startswith("optim."):
             _, pid, name = key.split(".", 2)
             state.setdefault(int(pid), {})[name] = value if name == "step" else value.to(dev)
-    opt.load_state_dict({"state": state, "param_groups": json.loads(meta["param_groups"])})
+    opt.load_state_dict({"state": state, "param_groups": groups})
     torch.set_rng_state(tensors["rng.torch"])
-    return int(meta["step"])
+    return info.step
+
+
+def check_fits(info: checkpoint_files.CheckpointInfo, model: torch.nn.Module, opt: torch.optim.Optimizer,
+               groups: Any) -> None:
+    """The checkpoint's tensors are exactly the model's parameters with their shapes, optimizer state for existing
+    parameters, the RNG state; its parameter groups as many as the optimizer's, with as many parameters each."""
+    where = f"{info.dir.name}/{checkpoint_files.WEIGHTS}"
+    want = {f"model.{k}": tuple(v.shape) for k, v in model.state_dict().items()}
+    have = {k: e.shape for k, e in info.tensors.items() if k.startswith("model.")}
+    missing, extra = sorted(set(want) - set(have)), sorted(set(have) - set(want))
+    if missing or extra:
+        raise CheckpointError(f"{where} does not hold this model's weights: missing {_few(missing)}, "
+                              f"unexpected {_few(extra)}")
+    wrong = [f"{k} {list(have[k])} there, {list(want[k])} here" for k in want if have[k] != want[k]]
+    if wrong:
+        raise CheckpointError(f"{where} holds weights of other shapes than this model's: {_few(wrong)}")
+    sizes = [len(g["params"]) for g in opt.state_dict()["param_groups"]]
+    saved = [len(g.get("params", [])) if isinstance(g, dict) else -1 for g in groups]
+    if sizes != saved:
+        raise CheckpointError(f"{where}: optimizer parameter groups of {saved} parameters, this optimizer has {sizes}")
+    params = [p for g in opt.param_groups for p in g["params"]]
+    for key, entry in info.tensors.items():
+        if not key.startswith("optim."):
+            continue
+        parts = key.split(".", 2)
+        pid = int(parts[1]) if len(parts) == 3 and parts[1].isdigit() else -1
+        if not 0 <= pid < len(params):
+            raise CheckpointError(f"{where}: optimizer state {key!r} for a parameter this optimizer does not have")
+        if parts[2] != "step" and entry.shape != tuple(params[pid].shape):
+            raise CheckpointError(f"{where}: optimizer state {key} {list(entry.shape)} does not fit its parameter "
+                                  f"{list(params[pid].shape)}")
+    if "rng.torch" not in info.tensors:
+        raise CheckpointError(f"{where}: no RNG state ('rng.torch')")
+
+
+def _few(names: list[str], n: int = 3) -> str:
+    return "none" if not names else ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "")

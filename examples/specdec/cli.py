@@ -13,7 +13,7 @@ import typing
 from pathlib import Path
 from typing import Any, NoReturn
 
-from . import config
+from . import checkpoint_files, config, package_state
 from .config import Config
 
 
@@ -140,12 +140,9 @@ def validate(cfg: Config) -> str | None:
         if path and not Path(path).exists():
             return f"{flag} {path}: no such file or directory"
     if cfg.resume:
-        problem = resume_problem(Path(cfg.resume))
+        problem = resume_problem(cfg)
         if problem:
             return problem
-        step = resume_step(Path(cfg.resume))
-        if step is not None and step >= cfg.steps:
-            return f"--resume {cfg.resume} is at step {step}, not before --steps {cfg.steps}: nothing to train"
     if cfg.out and int(os.environ.get("RANK", 0)) == 0:
         problem = writable_dir(Path(cfg.out))
         if problem:
@@ -157,26 +154,26 @@ def validate(cfg: Config) -> str | None:
     return None
 
 
-def resume_problem(path: Path) -> str | None:
+def resume_problem(cfg: Config) -> str | None:
+    """``--resume``: the checkpoint exists, its files are whole (``checkpoint_files.read``), it is before
+    ``--steps``, and it was made for the model and data of this run (or ``--allow-config-change``)."""
+    path = Path(str(cfg.resume))
     if not path.exists():
         return f"--resume {path}: no such file or directory"
-    if (path / "checkpoint.safetensors").exists():
-        return None
-    if any((p / "checkpoint.safetensors").exists() for p in path.glob("ckpt-*")):
-        return None
-    return f"--resume {path}: no checkpoint there (expected checkpoint.safetensors or ckpt-*/ inside)"
-
-
-def resume_step(path: Path) -> int | None:
-    """Step of the checkpoint ``--resume`` would load (from its meta.json), if readable."""
-    import json
-
-    ckpt = path if (path / "checkpoint.safetensors").exists() else max(
-        (p for p in path.glob("ckpt-*") if (p / "checkpoint.safetensors").exists()), default=None)
+    ckpt = checkpoint_files.locate(path)
+    if ckpt is None:
+        return f"--resume {path}: no checkpoint there (expected checkpoint.safetensors or ckpt-*/ inside)"
     try:
-        return int(json.loads((ckpt / "meta.json").read_text())["step"]) if ckpt is not None else None
-    except Exception:
-        return None
+        info = checkpoint_files.read(ckpt)
+    except checkpoint_files.CheckpointError as e:
+        return f"--resume {path}: {e}"
+    if info.step >= cfg.steps:
+        return f"--resume {path} is at step {info.step}, not before --steps {cfg.steps}: nothing to train"
+    differ = checkpoint_files.config_differences(info.config, cfg.as_dict())
+    if differ and not cfg.allow_config_change:
+        return (f"--resume {path}: {ckpt.name} was made for another model or data ({'; '.join(differ)}); "
+                f"--allow-config-change resumes it anyway")
+    return None
 
 
 def writable_dir(path: Path) -> str | None:
@@ -195,10 +192,11 @@ def reexec_without_ttc() -> None:
     """``--no-ttc``: torch_threadsafe_compile activates at interpreter start (a .pth file), so turning it off means
     starting a fresh interpreter with ``TTC_DISABLE=1``. ``os.execv`` keeps the pid (torchrun, signals still
     work). ``sys.orig_argv`` (Python 3.10+) keeps interpreter options and ``-m``; without it the command is
-    rebuilt from the interpreter flags and ``sys.argv``."""
-    if os.environ.get("TTC_DISABLE") == "1":
+    rebuilt from the interpreter flags and ``sys.argv``. Nothing to do where the package says it is not active
+    (disabled already, in the re-executed interpreter too; not activated; not installed)."""
+    if not package_state.state()["active"]:
         return
-    os.environ["TTC_DISABLE"] = "1"
+    os.environ["TTC_DISABLE"] = "1"  # the variable is the package's to read; the trainer only sets it for the child
     orig = getattr(sys, "orig_argv", None)
     if orig:
         argv = [sys.executable, *orig[1:]]

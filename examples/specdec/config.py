@@ -8,9 +8,10 @@ its help text, choices and group are the field's metadata. Imports nothing heavy
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass, field
 from typing import Any
+
+from . import package_state
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
@@ -159,11 +160,15 @@ class Config:
     save_every: int = option(0, "checkpoint every N steps; with --out a checkpoint is always written at the end")
     no_checkpoint: bool = option(False, "write no checkpoint (benchmarks)", action="store_true")
     resume: str | None = option(None, "a checkpoint dir, or an --out dir (latest checkpoint)", metavar="DIR")
+    allow_config_change: bool = option(False, "--resume a checkpoint made for another model or data (vocabulary, "
+                                              "target sizes, seed, data, tokenizer); without it such a resume is "
+                                              "refused, naming the settings that differ", action="store_true")
 
     no_ttc: bool = option(False, "run without torch_threadsafe_compile (re-executes with TTC_DISABLE=1) to show "
                                  "hazards", group="robustness", action="store_true")
-    error_policy: str | None = option(None, "errors from compiled calls: stop the run (default) or count and retry "
-                                            "(default with --no-ttc)", choices=["raise", "count"])
+    error_policy: str | None = option(None, "errors from compiled calls: stop the run (default while the package is "
+                                            "active) or count and retry (default otherwise: --no-ttc, TTC_DISABLE, "
+                                            "not installed)", choices=["raise", "count"])
     retry_timeout: float = option(600.0, "'count' mode: give up on a call after failing this long (s)")
     hang_timeout: float = option(900.0, "no drafter step for this long (s) = hang: dump all thread stacks, exit 3")
     dist_timeout: float = option(1800.0, "torch.distributed timeout (s)")
@@ -179,10 +184,12 @@ class Config:
 def resolve(given: dict[str, Any]) -> Config:
     """The run's configuration from the flags given (field name -> value): ``Config``'s defaults, overridden by the
     preset's values, overridden by ``given``; then the two defaults that depend on others: ``error_policy`` (count
-    and retry when the package is disabled) and ``measure_after`` (a fifth of the steps, at least 1)."""
+    and retry unless torch_threadsafe_compile is active, ``package_state``) and ``measure_after`` (a fifth of the steps, at least 1)."""
     cfg = Config(**{**PRESETS.get(given.get("preset") or "", {}), **given})
     if cfg.error_policy is None:
-        cfg = dataclasses.replace(cfg, error_policy="count" if os.environ.get("TTC_DISABLE") == "1" else "raise")
+        # The package's own word on this process, not the environment: TTC_DISABLE has several spellings, and an
+        # importable package protects nothing where nothing activated it.
+        cfg = dataclasses.replace(cfg, error_policy="raise" if package_state.state()["active"] else "count")
     if cfg.measure_after is None and cfg.steps > 0:
         cfg = dataclasses.replace(cfg, measure_after=min(cfg.steps - 1, max(1, cfg.steps // 5)))
     return cfg

@@ -50,6 +50,11 @@ class Leader:
         if self.setup.rank == 0:
             self.progress = metrics.Progress(self.cfg.steps, self.setup.start_step, self.cfg.log_every)
 
+    def note(self, line: str) -> None:
+        """One line about what the run is doing (rank 0), between the progress lines."""
+        if self.progress is not None:
+            self.progress.note(line)
+
     def step_done(self, step: int) -> None:
         """Optimizer step ``step`` (1-based: steps done) was issued by every replica: ``after_step``, then the
         watchdog hears of the progress."""
@@ -70,8 +75,11 @@ class Leader:
         self.profile_window(step)
         if setup.rank != 0:
             return
-        self.stats_log.push(step, self.replica.flat[self.n_grad:], {
-            "lr": lr_at(cfg, step - 1), "elapsed_s": round(time.monotonic() - run.throughput.start, 2)})
+        elapsed = time.monotonic() - run.throughput.start
+        if step == setup.start_step + 1:
+            self.note(f"first step done after {elapsed:.1f} s" + ("" if cfg.no_compile else " (compiles included)"))
+        self.stats_log.push(step, self.replica.flat[self.n_grad:], {"lr": lr_at(cfg, step - 1),
+                                                                    "elapsed_s": round(elapsed, 2)})
         taus: dict[int, Any] = {}
         eval_due = setup.evalset is not None and ((cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps)
         save_due = setup.out is not None and not cfg.no_checkpoint and (

@@ -247,20 +247,6 @@ def compile_counts() -> dict[str, int]:
             "recompiles": int(sum(counters.get("recompiles", {}).values()))}
 
 
-def ttc_status() -> dict[str, object]:
-    """``torch_threadsafe_compile.status()`` when the package is importable; never fails the run."""
-    try:
-        import torch_threadsafe_compile as ttc
-    except Exception as e:
-        return {"importable": False, "reason": f"{type(e).__name__}: {e}"}
-    try:
-        status = ttc.status()
-        json.dumps(status, default=str)
-        return {"importable": True, "status": status}
-    except Exception as e:
-        return {"importable": True, "status_error": f"{type(e).__name__}: {e}"}
-
-
 class Progress:
     """tqdm when installed and stderr is a terminal; otherwise one plain line every ``every`` steps."""
 
@@ -280,6 +266,13 @@ class Progress:
             self.bar.set_postfix(dict(info), refresh=False)
         elif step % self.every == 0 or step == total:
             print(f"step {step}/{total} " + " ".join(f"{k}={v}" for k, v in info.items()), flush=True)
+
+    def note(self, line: str) -> None:
+        """One line about what the run is doing, above the bar when there is one (tqdm keeps its bar intact)."""
+        if self.bar is not None:
+            self.bar.write(line)
+        else:
+            print(line, flush=True)
 
     def close(self) -> None:
         if self.bar is not None:

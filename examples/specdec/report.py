@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from . import flops, graphs, metrics
+from . import flops, graphs, metrics, package_state
 from .build import Setup, mean_attended_keys, target_shape
 from .config import Config
 from .leader import Leader, save_checkpoint
@@ -114,7 +114,7 @@ def summary_tail(setup: Setup, checksum: float) -> dict[str, Any]:
         peak_reserved = sum(torch.cuda.max_memory_reserved(d) for d in dict.fromkeys(setup.devices))
     return {
         "peak_gpu_mem_bytes": peak, "peak_gpu_reserved_bytes": peak_reserved, "param_checksum": checksum,
-        "ttc_disable_env": os.environ.get("TTC_DISABLE"), "ttc": metrics.ttc_status(),
+        "ttc": package_state.state(),
         "torch": torch.__version__, "wall_s": round(time.monotonic() - setup.run.throughput.start, 2),
         "config": setup.cfg.as_dict(),
     }
@@ -192,7 +192,7 @@ def short_summary(s: dict[str, Any], out: Path | None) -> dict[str, Any]:
         "peak_gpu_mem_mib": round(s["peak_gpu_mem_bytes"] / 2**20) if s.get("peak_gpu_mem_bytes") else None,
         "compile": {k: s["compile"].get(k) for k in ("unique_graphs", "recompiles")},
         "errors": {"total": s["errors"]["total"], "first": s["errors"]["first_line"]},
-        "ttc": "disabled" if s.get("ttc_disable_env") == "1" else ("active" if ttc.get("importable") else "absent"),
+        "ttc": ttc.get("label"),
         "summary_json": str(out / "summary.json") if out is not None else None,
     }
 
@@ -203,7 +203,7 @@ def hang_exit(run: Run, idle: float) -> None:
     faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
     summary = {"status": "hung", "hung": True, "steps_done": run.steps_done, "idle_s": round(idle, 1),
                "errors": {"total": run.errors.total(), "counted": dict(run.errors.counts)},
-               "ttc_disable_env": os.environ.get("TTC_DISABLE")}
+               "ttc": package_state.state()["label"]}
     if run.gpu_util is not None:
         run.gpu_util.close()
     if run.cfg.out and run.rank == 0:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import faulthandler
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -41,17 +40,22 @@ def main(argv: list[str] | None = None) -> int:
         import torch
     except ImportError as e:
         cli.fail(f"torch is not importable ({e})")
-    from . import build, metrics, trainer
+    from . import build, package_state, trainer
+    from .checkpoint_files import CheckpointError
     problem = build.check_devices(cfg)
     if problem:
         cli.fail(problem)
     if cfg.dry_run:
-        print(json.dumps({"config": cfg.as_dict(), "ttc_disable_env": os.environ.get("TTC_DISABLE"),
-                          "ttc": metrics.ttc_status(), "torch": torch.__version__}, default=str))
+        print(json.dumps({"config": cfg.as_dict(), "ttc": package_state.state(), "torch": torch.__version__},
+                         default=str))
         return 0
+    print(package_state.start_line(package_state.state(), cfg.error_policy), flush=True)
     # A crash in native code (a segfault in a CUDA or compiler path) then still says where every thread was.
     faulthandler.enable(all_threads=True)
-    return trainer.run_training(cfg)
+    try:
+        return trainer.run_training(cfg)
+    except CheckpointError as e:  # --resume: the checkpoint does not fit the model built (checkpoint.check_fits)
+        cli.fail(f"--resume {cfg.resume}: {e}")
 
 
 if __name__ == "__main__":

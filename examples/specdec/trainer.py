@@ -26,6 +26,8 @@ from .leader import Leader
 
 
 def run_training(cfg: Config) -> int:
+    print(f"building the data, the target ({cfg.target_hf or 'built-in'}), {cfg.drafter_threads} drafter "
+          f"replica(s) and the eval set on {cfg.devices}…", flush=True)
     setup = build.setup(cfg)
     if setup.start_step >= cfg.steps:
         print(f"train.py: error: --resume {cfg.resume} is at step {setup.start_step}, not before --steps "
@@ -38,6 +40,7 @@ def run_training(cfg: Config) -> int:
         graphs.synchronize(setup.devices)
     counts, keys = report.flop_counts(setup)
     leader.start_progress()
+    leader.note(first_step_line(cfg, setup.cuda))
 
     threads = loops.workers(setup, leader)
     util = None
@@ -49,3 +52,15 @@ def run_training(cfg: Config) -> int:
     status = loops.supervise(setup.run, threads)
     leader.close()
     return report.finish(setup, leader, status, util, counts, keys)
+
+
+def first_step_line(cfg: Config, cuda: bool) -> str:
+    """What the threads do before the first progress line: the first step compiles (no line comes until it is done;
+    the line after it says how long it took)."""
+    threads = (f"{cfg.target_threads} target + {cfg.drafter_threads} drafter threads" if cfg.layout == "threaded"
+               else "the sequential workers")
+    if cfg.no_compile:
+        return f"starting {threads} (eager: --no-compile)…"
+    how_long = "" if cuda else "; on CPU about a minute with cold compile caches, less with warm ones"
+    return (f"starting {threads}; the first step compiles the target forward and the drafter loss, forward and "
+            f"backward ({cfg.compile_backend}{how_long})…")

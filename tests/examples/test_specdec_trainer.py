@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
@@ -145,11 +146,60 @@ def test_no_ttc_reexecs_with_ttc_disable() -> None:
     proc, _ = run(["--no-ttc", "--dry-run"], timeout=120)
     assert proc.returncode == 0, explain(proc)
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert out["ttc_disable_env"] == "1"
+    assert out["ttc"]["status"]["inactive_reason"] == "TTC_DISABLE=1" and not out["ttc"]["active"]
     assert out["config"]["error_policy"] == "count"  # hazards are counted, not fatal
     proc, _ = run(["--dry-run"], timeout=120)
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert out["ttc_disable_env"] is None and out["config"]["error_policy"] == "raise"
+    assert out["ttc"]["active"] and out["ttc"]["label"] == "active" and out["config"]["error_policy"] == "raise"
+
+
+# ``python -S``: no .pth file is processed, so nothing activates the package; torch from this environment's
+# site-packages (found here: under -S a virtual environment's paths are not set up either).
+NOT_ACTIVATED = (f"import runpy, sys; sys.path[:0] = [{sysconfig.get_paths()['purelib']!r}]; "
+                 "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
+
+
+@pytest.mark.parametrize("how", ["TTC_DISABLE=true", "TTC_DISABLE=Yes", "not activated"])
+def test_the_summary_says_what_the_package_says(tmp_path: Path, how: str) -> None:
+    """The trainer asks the package's status(), not the environment and not "the module imports". Not activated is
+    what a run from the checkout is after ``pip uninstall``: the package imports from the checkout, and nothing
+    activated it (here ``python -S``: no .pth processed). Before: the SUMMARY line said ``"ttc": "active"`` in all
+    three, and the error policy stayed ``raise``."""
+    if how == "not activated":
+        proc, s = run(TINY + ["--steps", "2", "--no-compile", "--eval-every", "0", "--out", str(tmp_path)],
+                      prefix=[sys.executable, "-S", "-c", NOT_ACTIVATED], timeout=120)
+        label = "not activated"
+    else:
+        value = how.split("=")[1]
+        proc, s = run(TINY + ["--steps", "2", "--no-compile", "--eval-every", "0", "--out", str(tmp_path)],
+                      env=clean_env(TTC_DISABLE=value), timeout=120)
+        label = f"disabled (TTC_DISABLE={value})"
+    assert proc.returncode == 0, explain(proc)
+    assert s["ttc"] == label, s
+    full = json.loads((tmp_path / "summary.json").read_text())
+    assert full["ttc"]["active"] is False and full["ttc"]["in_force"] == [], full["ttc"]
+    assert full["config"]["error_policy"] == "count"
+    first = proc.stdout.splitlines()[0]
+    assert first.startswith(f"torch-threadsafe-compile: {label.split(' (')[0]} (") and "counted and retried" in first
+    assert not any(" active" in line for line in proc.stdout.splitlines() if "torch-threadsafe-compile" in line)
+
+
+def test_active_run_says_so_and_what_it_is_doing(tmp_path: Path) -> None:
+    """Active: the first line says so, the SUMMARY says ``active``, summary.json lists the patches in force. The
+    silent phases get one line each (the build, the first step that compiles, its end); progress lines stay. Before:
+    nothing between the τ line and the first progress line (``time_to_first_step_s: 54.1`` on cpu-tiny)."""
+    proc, s = run(TINY + ["--steps", "4", "--log-every", "2", "--eval-every", "0", "--compile-backend", "aot_eager",
+                          "--out", str(tmp_path)])
+    assert proc.returncode == 0, explain(proc)
+    lines = proc.stdout.splitlines()
+    assert lines[0] == "torch-threadsafe-compile: active (pth); an error in a compiled call stops the run", lines
+    assert s["ttc"] == "active"
+    full = json.loads((tmp_path / "summary.json").read_text())
+    assert full["ttc"]["active"] and "first_compile" in full["ttc"]["in_force"], full["ttc"]
+    order = ["building the data, the target", "starting 1 target + 1 drafter threads; the first step compiles the "
+             "target forward and the drafter loss", "first step done after", "step 2/4", "step 4/4", "SUMMARY "]
+    at = [next((i for i, line in enumerate(lines) if line.startswith(prefix)), -1) for prefix in order]
+    assert -1 not in at and at == sorted(at), (at, lines)
 
 
 def test_worker_error_stops_cleanly(tmp_path: Path) -> None:
