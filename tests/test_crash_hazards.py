@@ -1,11 +1,13 @@
-"""The crashes found by running PyTorch's own tests with pytest-run-parallel (H8, H9 of docs/hazards.md),
-reproduced without pytest (ttc_testing/crash_scenarios.py), unpatched vs active, in fresh interpreters.
+"""The crashes found by running PyTorch's own tests with pytest-run-parallel, or their shapes in threads (H8,
+H9, H11 of docs/hazards.md), reproduced without pytest (ttc_testing/crash_scenarios.py), unpatched vs
+active, in fresh interpreters.
 
 The active runs must all complete. The hazard is a race: unpatched, a crash (a signal) shows it in most runs
 of a busy machine (3 of 4 on torch 2.13 CPU under load) and in fewer on a quiet one (0 of 4 seen once). So
 the unpatched side runs up to ``TRIES`` times and stops at the first crash; where no run crashed the test
 cannot tell the patch from its absence and skips, saying so, instead of passing. ``bench/stress.py``-style
-repetition is the measurement (docs/upstream-tests.md).
+repetition is the measurement (docs/upstream-tests.md). H11 crashed only with the package: there the point
+is that the active runs never crash or hang where the unpatched one completes.
 """
 
 from __future__ import annotations
@@ -180,8 +182,11 @@ def test_h11_reset_holding_compile_lock_does_not_wait_for_or_free_under_waiting_
     import subprocess
     import sys
 
-    p = subprocess.run([sys.executable, "-X", "faulthandler", "-c", _RESET_HOLDING_LOCK], env=_env(ON),
-                       capture_output=True, text=True, timeout=110)
+    try:
+        p = subprocess.run([sys.executable, "-X", "faulthandler", "-c", _RESET_HOLDING_LOCK], env=_env(ON),
+                           capture_output=True, text=True, timeout=110)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the reset waited for a compiled call that waits for the compile_lock the reset holds")
     line = [x for x in p.stdout.splitlines() if x.startswith("OUT ")]
     assert p.returncode == 0 and line, (p.returncode, p.stderr[-3000:])
     out = json.loads(line[0][4:])
