@@ -7,28 +7,34 @@ A *tomb* keeps its objects together with the threads that were alive when they w
 the releasing one; it is dropped once none of those threads is alive (:func:`release`, at each new tomb and
 at ``torch._dynamo.reset()``), or all at once at a reset (which frees every cache entry anyway).
 
-Used by the patches of H8 (``guard_invalidation``) and H9 (``code_reset``). Standard library only.
+Used by the patches of H8 (``guard_invalidation``) and H9 (``code_reset``), and by the reset barrier of H3
+(``first_compile``), which marks a reset that has seen no other thread inside dynamo (:func:`quiesced`):
+only then, or in a single-threaded process, may a reset free caches and kept trees as upstream does
+(:func:`may_free`; H11). Standard library only.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
-from typing import Any
+from typing import Any, Iterator
 
 from torch_threadsafe_compile import _forksafe
 
-__all__ = ["others", "keep", "release", "held", "waits_for", "forget", "stats"]
+__all__ = ["others", "keep", "release", "held", "waits_for", "forget", "stats", "quiesced", "may_free"]
 
 _lock = threading.Lock()
+_quiet = threading.local()  # depth: this thread runs a reset that saw no other thread inside dynamo
 _tombs: list[tuple[tuple[Any, ...], frozenset[int]]] = []
 stats = {"kept": 0, "released": 0}
 
 
 @_forksafe.in_child
 def _after_fork() -> None:
-    global _lock
+    global _lock, _quiet
     _lock = threading.Lock()
+    _quiet = threading.local()  # a reset of the parent does not go on in the child
     _tombs.clear()  # the recorded threads do not exist in a forked child
 
 
@@ -44,6 +50,24 @@ def others() -> frozenset[int]:
     """The threads alive now other than the calling one (empty: a single-threaded process)."""
     me = threading.get_ident()
     return frozenset(i for i in _alive() if i != me)
+
+
+@contextlib.contextmanager
+def quiesced() -> Iterator[None]:
+    """For the duration, the calling thread runs a reset that has seen no other thread inside dynamo's
+    cache (first_compile's barrier drained them): freeing code caches and kept trees is safe."""
+    _quiet.depth = getattr(_quiet, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _quiet.depth -= 1
+
+
+def may_free() -> bool:
+    """Whether dynamo may free a code object's cache (``ExtraState``) or every kept tree now: no other thread
+    exists, or the calling thread's reset is :func:`quiesced`. Otherwise another thread may be walking that
+    cache, or compiling a frame of that code and about to insert its entry (H9, H11)."""
+    return getattr(_quiet, "depth", 0) > 0 or not others()
 
 
 def keep(objs: tuple[Any, ...], threads: frozenset[int]) -> None:

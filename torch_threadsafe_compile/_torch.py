@@ -12,7 +12,7 @@ from contextvars import ContextVar
 from typing import Any, Callable, ContextManager
 
 __all__ = [
-    "loaded", "present_callables", "compile_lock", "holds_compile_lock", "compile_lock_or_null", "skip_code", "cache_entry_lister",
+    "loaded", "present_callables", "compile_lock", "holds_compile_lock", "compile_lock_waiters", "compile_lock_or_null", "skip_code", "cache_entry_lister",
     "CONFIG_MODULE", "config_unset", "config_entries", "reset_config_caches", "program_threads_started",
     "COMPILER_FLAG_USERS_KNOWN", "compiler_flag_users",
 ]
@@ -66,6 +66,15 @@ def holds_compile_lock() -> bool:
     """Whether the calling thread holds dynamo's ``compile_lock`` (a compile, an export, an FX trace)."""
     is_owned = getattr(compile_lock(), "_is_owned", None)
     return bool(is_owned()) if callable(is_owned) else False
+
+
+def compile_lock_waiters() -> frozenset[int] | None:
+    """The threads waiting for dynamo's ``compile_lock`` now, or None when nobody records them (the lock is
+    not instrumented: ``compile_lock_watchdog`` off)."""
+    waiting = getattr(compile_lock(), "waiting", None)
+    if not isinstance(waiting, dict):
+        return None
+    return frozenset(waiting.copy())  # one C call: other threads add and remove themselves meanwhile
 
 
 def skip_code(code: types.CodeType) -> bool:

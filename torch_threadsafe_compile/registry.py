@@ -211,8 +211,9 @@ SPECS: dict[str, PatchSpec] = {
         PatchSpec(
             id="code_reset",
             hazard="H9",
-            summary="remove_from_cache / reset_code (torch._dynamo.export) invalidates a code object's entries instead "
-                "of freeing them while other threads run",
+            summary="remove_from_cache / reset_code (torch._dynamo.export), and reset_code_caches in a reset that could "
+                "not drain other threads (H11), invalidate a code object's entries instead of freeing them while "
+                "other threads run",
             upstream=("pytorch/pytorch#195355 (ExtraState lock; after 2.15); reset_code frees the ExtraState that "
                 "other threads' lookup() and compiles hold"),
             torch_versions=">=2.6",

@@ -1,4 +1,4 @@
-"""Crash scenarios found by running PyTorch's own tests with pytest-run-parallel (H8, H9), each small enough
+"""Crash scenarios found by running PyTorch's own tests with pytest-run-parallel (H8, H9, H11), each small enough
 to run in a few seconds without pytest, in its own interpreter, reporting one JSON line (or dying).
 
     python -m ttc_testing.crash_scenarios NAME [key=value ...]
@@ -116,6 +116,80 @@ def export_beside_calls(exporters: int = 2, callers: int = 2, seconds: float = 6
     for t in ts:
         t.join()
     return {**counts, "errors": sum(errors.values()), "kinds": list(errors)[:3]}
+
+
+def _inductor(gm: Any, example_inputs: Any) -> Any:
+    """A backend that calls inductor's ``compile_fx`` (a compile long enough for other threads to pile up)."""
+    from torch._inductor.compile_fx import compile_fx
+
+    return compile_fx(gm, example_inputs)
+
+
+def _export_unflatten_round(backend: Any) -> None:
+    """One round of a test shape of PyTorch's export tests. The classes are made here, so every thread's
+    ``forward`` shares one code object; ``unf.sub.compile()`` compiles ``nn.Module._call_impl``, whose code
+    every module shares."""
+    import torch
+    import torch.export
+
+    class Sub(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x: Any) -> Any:
+            return torch.relu(self.lin(x)) * 2
+
+    class M(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.sub = Sub()
+            self.other = torch.nn.Linear(4, 4)
+
+        def forward(self, x: Any) -> Any:
+            return self.other(self.sub(x)) + 1
+
+    m = M()
+    x = torch.randn(2, 4)
+    ep = torch.export.export(m, (x,), strict=True)
+    unf = torch.export.unflatten(ep)
+    unf.sub.compile(backend=backend, fullgraph=True)
+    torch.testing.assert_close(unf(x), m(x))
+
+
+@scenario
+def export_unflatten_compile(threads: int = 4, rounds: int = 3, backend: str = "inductor") -> dict[str, Any]:
+    """H11: ``threads`` threads each run ``rounds`` times: strict ``torch.export.export`` of a module, then
+    ``torch.export.unflatten``, then compile the unflattened submodule and call it. A strict export calls
+    ``torch._dynamo.reset()`` (torch 2.13: ``_dynamo_graph_capture_for_export``) while it holds
+    ``compile_lock`` (``export_lock``), and the reset frees every code object's cache, also those of frames
+    other threads are compiling (``_call_impl``, the shared ``forward``s) and waiting for that lock."""
+    import torch  # noqa: F401
+
+    chosen: Any = _inductor if backend == "inductor" else backend
+    counts = {"done": 0}
+    errors: dict[str, int] = {}
+    lock = threading.Lock()
+
+    def worker() -> None:
+        for _ in range(rounds):
+            try:
+                _export_unflatten_round(chosen)
+                with lock:
+                    counts["done"] += 1
+            except Exception as e:  # counted: the question is whether the process survives
+                key = f"{type(e).__name__}: {str(e)[:80]}"
+                with lock:
+                    errors[key] = errors.get(key, 0) + 1
+
+    t0 = time.monotonic()
+    ts = [threading.Thread(target=worker) for _ in range(threads)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    return {**counts, "errors": sum(errors.values()), "kinds": list(errors)[:3],
+            "seconds": round(time.monotonic() - t0, 1)}
 
 
 def run(name: str, env: dict[str, str] | None = None, timeout: float = 120, **kwargs: Any) -> dict[str, Any]:

@@ -35,11 +35,23 @@ exported ~128 times beside threads calling it (export and the next call compile 
 ``export_beside_calls``). So the frame ids of the reset entries are noted, and dynamo's ``get_compile_id``
 gives such a frame a new id on its next compile (where that function exists, torch 2.9 on); before 2.9,
 where the id is computed inline, the frame's count is set back to 0 instead (compile ids then repeat).
+
+H11 — the same C ``reset_code`` under another name. ``torch._dynamo`` imports it by name, and
+``reset_code_caches()`` (every ``torch._dynamo.reset()``) calls it for every code object dynamo has seen: a
+replacement of ``eval_frame.reset_code`` alone never reaches it. A strict ``torch.export.export`` resets
+dynamo (torch 2.13's ``_dynamo_graph_capture_for_export``) while it holds ``compile_lock`` (``export_lock``,
+H7), so threads whose frames wait in dynamo's callback for that lock -- each holding its code's
+``ExtraState`` pointer -- had that state freed under them and inserted their entry into freed memory
+(``SIGSEGV`` in ``create_cache_entry``; ``python -m ttc_testing.crash_scenarios export_unflatten_compile``).
+So both names get the same function, which frees only when that is safe (``_graveyard.may_free``: no
+other thread, or a reset whose barrier has seen nobody inside dynamo, H3's ``first_compile``), and resets
+softly otherwise. A reset that could not drain is thus a soft one: entries invalidated, state kept.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import sys
 from typing import Any
 
@@ -103,7 +115,7 @@ class _FreshIds:
 
 def _make_reset_code(original: Any, lister: Any) -> Any:
     def reset_code(code: Any) -> Any:
-        if not _graveyard.others():
+        if _graveyard.may_free():  # no other thread, or a reset that drained them (H3's barrier)
             return original(code)
         _graveyard.release()
         _soft_reset(code, lister)
@@ -154,6 +166,16 @@ def _make_cache_size(original: Any, lister: Any) -> Any:
     return compute_cache_size
 
 
+def _reset_code_caches_binding() -> bool:
+    """Whether ``torch._dynamo`` holds the C ``reset_code`` under its own name and ``reset_code_caches``
+    calls it by that name (H11: every ``torch._dynamo.reset()`` frees code caches through it)."""
+    dynamo = loaded("torch._dynamo")
+    rcc = inspect.unwrap(getattr(dynamo, "reset_code_caches", None) or (lambda: None))
+    ef = loaded("torch._dynamo.eval_frame")
+    return (dynamo.__dict__.get("reset_code") is getattr(ef, "reset_code", None)
+            and "reset_code" in getattr(getattr(rcc, "__code__", None), "co_names", ()))
+
+
 def check() -> str | None:
     ef = loaded("torch._dynamo.eval_frame")
     rfc = getattr(ef, "remove_from_cache", None)
@@ -178,18 +200,26 @@ def apply(changes: Changes) -> dict[str, Any]:
             "__doc__": "An entry invalidated by reset_code while other threads ran (torch-threadsafe-compile, H9).",
             "__module__": __name__}))
     ef = loaded("torch._dynamo.eval_frame")
-    changes.setattr(ef, "reset_code", _make_reset_code(ef.reset_code, lister))
+    ours = _make_reset_code(ef.reset_code, lister)
+    # Before eval_frame's name is replaced: the test compares torch._dynamo's name with it.
+    dynamo_too = _reset_code_caches_binding()
+    changes.setattr(ef, "reset_code", ours)
+    if dynamo_too:  # the name reset_code_caches() (torch._dynamo.reset()) calls: H11
+        changes.setattr(loaded("torch._dynamo"), "reset_code", ours)
     cf = loaded("torch._dynamo.convert_frame")
     changes.setattr(cf, "compute_cache_size", _make_cache_size(cf.compute_cache_size, lister))
     if callable(getattr(cf, "get_compile_id", None)):
         changes.setattr(cf, "get_compile_id", _FreshIds(cf.get_compile_id))
-    return {}
+    return {"reset_code_caches": dynamo_too}
 
 
 def verify() -> None:
     ef = loaded("torch._dynamo.eval_frame")
     if getattr(ef.reset_code, "__wrapped__", None) is None:
         raise AssertionError("torch._dynamo.eval_frame.reset_code is not replaced")
+    dynamo_name = loaded("torch._dynamo").__dict__.get("reset_code")
+    if dynamo_name is getattr(ef.reset_code, "__wrapped__", None):
+        raise AssertionError("torch._dynamo.reset_code (what reset_code_caches calls) is still the C function")
     if getattr(loaded("torch._dynamo.convert_frame").compute_cache_size, "__wrapped__", None) is None:
         raise AssertionError("torch._dynamo.convert_frame.compute_cache_size is not replaced")
 

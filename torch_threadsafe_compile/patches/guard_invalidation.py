@@ -26,7 +26,8 @@ its check finishes on valid memory (and then finds the entry invalidated: its co
 treats as a miss, as upstream). New lookups cannot reach a kept tree (the entry's pointer is cleared or
 repointed first). A kept tree is released when none of the threads recorded with it is alive any more
 (checked at each invalidation), or at ``torch._dynamo.reset()`` (which frees every entry anyway; a thread
-inside a lookup there would crash upstream as well, see H3's reset barrier). With no other thread alive the
+inside a lookup there would crash upstream as well, see H3's reset barrier) -- at a reset only when no other
+thread exists or the barrier saw nobody inside dynamo (``_graveyard.may_free``, H11). With no other thread alive the
 patch does nothing but call upstream (a single-threaded program behaves, and frees, exactly as upstream).
 Cost: kept guard trees of long-lived threads stay until the next reset (``status()`` reports how many).
 Upstream's fix is pytorch/pytorch#195355 (a lock per ``ExtraState``; invalidations that arrive during a
@@ -87,7 +88,9 @@ def _make_reset_hook(original: Any) -> Any:
         try:
             return original(*args, **kwargs)
         finally:
-            _graveyard.release(everything=True)
+            # Everything only when no other thread can be inside dynamo: a reset that could not drain
+            # them (H11: one that holds compile_lock while they wait for it) keeps what they may evaluate.
+            _graveyard.release(everything=_graveyard.may_free())
 
     reset_code_state.__wrapped__ = original  # type: ignore[attr-defined]
     reset_code_state.__name__ = getattr(original, "__name__", "reset_code_state")

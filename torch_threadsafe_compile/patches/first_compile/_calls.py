@@ -138,11 +138,12 @@ def end(gate_frame: types.FrameType) -> GateCall | None:
     return live.pop(gate_frame, None)
 
 
-def others_inside(me: types.FrameType, waiting: Any) -> bool:
-    """Whether a thread other than the one running ``me`` is inside a gated call (gate frames listed in
+def others_inside(me: types.FrameType, waiting: Any) -> set[int]:
+    """The threads other than the one running ``me`` that are inside a gated call (gate frames listed in
     ``waiting``, which wait at the reset barrier before their call, do not count). GIL builds only: other
     threads' frames do not change while this walks them."""
-    for top in sys._current_frames().values():
+    inside: set[int] = set()
+    for ident, top in sys._current_frames().items():
         f: types.FrameType | None = top
         mine = False
         found = False
@@ -154,8 +155,8 @@ def others_inside(me: types.FrameType, waiting: Any) -> bool:
                 found = True
             f = f.f_back
         if found and not mine:
-            return True
-    return False
+            inside.add(ident)
+    return inside
 
 
 # Free-threaded builds (COUNTED): every thread's list of gated calls in progress, by thread ident. A thread

@@ -22,14 +22,25 @@ that part depends on no other thread. The two sides publish first and look secon
 the moment its gate frame exists (on free-threaded builds: its entry is pushed), and one that waited stops
 being listed as waiting before it reads ``freeing``; the reset sets ``freeing``, then looks at the other
 threads' frames (or lists: ``_calls``). So no call slips into dynamo's lookup while entries are freed. The
-whole wait is bounded (``RESET_WAIT_MAX_S``: a call that never returns; then the reset goes ahead as
-upstream, with a log line).
+whole wait is bounded (``RESET_WAIT_MAX_S``: a call that never returns; then the reset goes ahead, with a
+log line).
+
+A reset that did not see that moment must not free what the others use (H11). A strict
+``torch.export.export`` resets dynamo while it holds ``compile_lock`` (torch 2.13's graph capture for
+export, inside ``export_lock``'s hold): threads inside gated calls that wait for that lock in dynamo's frame
+callback cannot leave, and each holds its code object's cache state (``ExtraState``), into which it inserts
+its compile result later. Waiting for them was a cycle that lasted ``RESET_WAIT_MAX_S``, after which the
+reset freed that state under them (``SIGSEGV`` in ``create_cache_entry``). Now the reset stops waiting as
+soon as every thread still inside waits for the lock it holds, and only a drained reset runs
+``quiesced`` (``_graveyard``): otherwise ``code_reset`` invalidates the entries instead of freeing them and
+``guard_invalidation`` keeps the trees, as for other threads' ``reset_code`` (H9).
 
 Calls of functions compiled *before* an explicit ``install()`` have no gate and are not waited for.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import sys
@@ -37,11 +48,13 @@ import threading
 import time
 from typing import Any, Callable
 
-from torch_threadsafe_compile import _forksafe
+from torch_threadsafe_compile import _forksafe, _graveyard
+from torch_threadsafe_compile._torch import compile_lock_waiters, holds_compile_lock
 from torch_threadsafe_compile.patches.first_compile import _calls
 
 RESET_WAIT_MAX_S = 120.0
 GATE_WAIT_S = 0.25
+HELD_WAIT_S = 1.0
 
 log = logging.getLogger("torch_threadsafe_compile")
 
@@ -60,6 +73,7 @@ class ResetBarrier:
         # One reset at a time; re-entrant, as reset() calls reset_code_caches() (both are wrapped).
         self._one_at_a_time = threading.RLock()
         self._depth = 0
+        self._drained = True  # whether the reset under way saw nobody inside (set at depth 1)
         self._waiting: set[Any] = set()  # gate frames waiting in enter() (GIL builds)
 
     def after_fork(self) -> None:
@@ -101,28 +115,33 @@ class ResetBarrier:
             if not self.freeing:
                 return
 
-    def _others_inside(self, me: int) -> bool:
+    def _others_inside(self, me: int) -> set[int]:
+        """The other threads inside a gated call now."""
         if not _calls.COUNTED:
             return _calls.others_inside(sys._getframe(), self._waiting)
         with _calls.stacks_lock:
             entries = list(_calls.all_stacks.items())
         alive = {t.ident for t in threading.enumerate()}  # after the copy: a thread registered since is alive
+        inside = set()
         for ident, stack in entries:
             if ident not in alive:
                 with _calls.stacks_lock:
                     if _calls.all_stacks.get(ident) is stack:  # not a new thread that reuses the ident
                         del _calls.all_stacks[ident]
             elif ident != me and stack:
-                return True
-        return False
+                inside.add(ident)
+        return inside
 
     def run(self, reset: Callable[..., Any], args: Any, kwargs: Any, after: Callable[[], None]) -> Any:
         with self._one_at_a_time:
             self._depth += 1
             try:
                 if self._depth == 1:
-                    self._close_and_drain()
-                result = reset(*args, **kwargs)
+                    self._drained = self._close_and_drain()
+                # Drained: nobody is inside, the reset frees as upstream. Not drained: code_reset and
+                # guard_invalidation see other threads and reset softly (H11): nothing is freed under them.
+                with _graveyard.quiesced() if self._drained else contextlib.nullcontext():
+                    result = reset(*args, **kwargs)
                 after()
                 self.resets += self._depth == 1
                 return result
@@ -133,25 +152,49 @@ class ResetBarrier:
                         self.closed = self.freeing = False
                         self._cond.notify_all()
 
-    def _close_and_drain(self) -> None:
+    def _close_and_drain(self) -> bool:
+        """Close the barrier and wait until no other thread is inside a gated call: True. False when that
+        cannot happen (they wait for ``compile_lock``, which this thread holds) or did not within
+        ``RESET_WAIT_MAX_S``; the reset then goes ahead softly (H11), new calls waiting until it is done."""
         with self._cond:
             self.closed = True
         me = threading.get_ident()
         t0 = time.monotonic()
         while True:
-            if not self._others_inside(me):
+            inside = self._others_inside(me)
+            if not inside:
                 self.freeing = True  # publish, then look again (a call may have pushed in between)
                 if not self._others_inside(me):
-                    return
+                    return True
                 with self._cond:
                     self.freeing = False
                     self._cond.notify_all()
+            elif _blocked_by_me(inside, time.monotonic() - t0):
+                log.info("torch._dynamo.reset() holding compile_lock while other threads' compiled calls wait for "
+                         "it: cache entries are invalidated, not freed")
+                self.freeing = True
+                return False
             if time.monotonic() - t0 > RESET_WAIT_MAX_S:
                 log.warning("torch._dynamo.reset(): other threads are still inside compiled calls after %.0f s; "
-                            "resetting anyway", RESET_WAIT_MAX_S)
+                            "resetting anyway (cache entries invalidated, not freed)", RESET_WAIT_MAX_S)
                 self.freeing = True
-                return
+                return False
             time.sleep(0.001)
+
+
+def _blocked_by_me(inside: set[int], waited: float) -> bool:
+    """Whether the threads still inside gated calls can only leave after this reset: this thread holds
+    dynamo's ``compile_lock`` (a strict export resets dynamo inside ``export_lock``'s hold, torch 2.13) and
+    each of them waits for it -- in dynamo's frame callback, holding its code's cache state. Waiting for them
+    is a cycle (it lasted ``RESET_WAIT_MAX_S``, then the reset freed that state under them: H11). Where the
+    lock's waiters are not recorded (``compile_lock_watchdog`` off), holding the lock for ``HELD_WAIT_S``
+    with someone still inside counts as blocked."""
+    if not holds_compile_lock():
+        return False
+    waiters = compile_lock_waiters()
+    if waiters is None:
+        return waited > HELD_WAIT_S
+    return inside <= waiters
 
 
 def _nested(frame: Any) -> bool:
