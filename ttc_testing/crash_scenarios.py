@@ -115,7 +115,7 @@ def export_beside_calls(exporters: int = 2, callers: int = 2, seconds: float = 6
     stop.set()
     for t in ts:
         t.join()
-    return {**counts, "errors": sum(errors.values()), "kinds": list(errors)[:3]}
+    return {**counts, "errors": sum(errors.values()), "kinds": list(errors)[:3], "by_kind": dict(list(errors.items())[:20])}
 
 
 def _inductor(gm: Any, example_inputs: Any) -> Any:
