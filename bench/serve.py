@@ -250,7 +250,7 @@ def _n(v: Any) -> str:
 
 
 HEADER = ("| set-up | failed | wrong | uncompiled answers | compiles (distinct graphs) | first 64 from cold, s "
-          "| warm req/s | warm p50 / p99, ms | new shape: p99 of requests beside it, ms (n) | new-shape request, s "
+          "| warm req/s | warm p50 / p99, ms | new shape: p50 / p99 of requests beside it, ms (n) | new-shape request, s "
           "| peak RSS, MiB |\n|" + " --- |" * 11)
 
 
@@ -261,7 +261,8 @@ def row(r: dict[str, Any]) -> str:
         new = f"failed ({ns['new_request_status']})"
     return (f"| {r['label']} | {a['failed']} | {a['wrong']} | {a['uncompiled']} | {sv['compiles']} ({sv['distinct_graphs']}) "
             f"| {c['wall_s']:.2f} | {_n(wm['throughput_rps'])} | {_ms(wm['p50_s'])} / {_ms(wm['p99_s'])} "
-            f"| {_ms(ns['overlapping_p99_s'])} ({ns['overlapping']}) | {new} | {_n(r['peak_rss_mib'])} |")
+            f"| {_ms(ns['overlapping_p50_s'])} / {_ms(ns['overlapping_p99_s'])} ({ns['overlapping']}) | {new} "
+            f"| {_n(r['peak_rss_mib'])} |")
 
 
 def plot(results: Sequence[dict[str, Any]], path: Path, title: str) -> str | None:
@@ -278,9 +279,13 @@ def plot(results: Sequence[dict[str, Any]], path: Path, title: str) -> str | Non
               ("first 64 answers from cold, s", [r["cold"]["wall_s"] for r in results]),
               ("p99 beside a new shape, s", [r["new_shape"]["overlapping_p99_s"] or 0 for r in results])]
     fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.4))
+    eager_new_shape = [r["new_shape"]["new_request_compiled"] is False for r in results]
     for ax, (name, values) in zip(axes, panels):
-        bars = ax.bar(labels, values, color=["tab:green", "tab:red", "tab:blue", "tab:orange"][:len(labels)])
-        ax.bar_label(bars, fmt="%.1f", fontsize=8)
+        bars = ax.bar(labels, values, color=["tab:green", "tab:red", "tab:blue", "tab:orange", "tab:gray"][:len(labels)])
+        texts = [f"{v:.1f}" for v in values]
+        if name.startswith("p99"):  # a new shape that was never compiled cannot have made anyone wait
+            texts = [t + (" (ran eagerly)" if e else "") for t, e in zip(texts, eager_new_shape)]
+        ax.bar_label(bars, labels=texts, fontsize=8)
         ax.set_title(name, fontsize=10)
         ax.tick_params(axis="x", labelsize=8)
     fig.suptitle(title, fontsize=10)
