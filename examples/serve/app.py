@@ -49,10 +49,14 @@ def create_app(cfg: ServeConfig) -> FastAPI:
                         limits=Limits(cfg.max_batch, cfg.max_seq), seed=cfg.seed)
         app.state.engine = engine
         ttc = engine.stats()["ttc"]
-        print(f"serve: model {cfg.model} on {cfg.device}, backend {cfg.backend}, {cfg.threads} request threads, "
-              f"{'one global lock around the model' if cfg.lock else 'no lock'}; torch-threadsafe-compile "
-              f"{'active (' + str(ttc['activation']) + ')' if ttc['active'] else 'off (' + str(ttc['reason']) + ')'}",
-              flush=True)
+        protection = f"active ({ttc['activation']})" if ttc["active"] else f"off ({ttc['reason']})"
+        lock = "one global lock around the model" if cfg.lock else "no lock"
+        print(f"serve: model {cfg.model} on {cfg.device}, backend {cfg.backend}, {cfg.threads} request threads, {lock}; "
+              f"torch-threadsafe-compile {protection}", flush=True)
+        if not ttc["active"] and not cfg.lock and cfg.threads > 1:
+            print("serve: warning: the request threads will compile the model unprotected (duplicate compiles, then "
+                  "uncompiled answers past dynamo's recompile limit); activate torch-threadsafe-compile or pass --lock",
+                  flush=True)
         yield
         if cfg.stats_dir:
             path = Path(cfg.stats_dir) / f"stats-{os.getpid()}.json"
