@@ -33,6 +33,7 @@ import json
 import os
 import platform
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -234,6 +235,7 @@ def run_setup(s: Setup, w: Workload, args: argparse.Namespace) -> dict[str, Any]
             rss, processes = tree_peak_rss_mib(proc.pid)
         finally:
             stop(proc)
+            shutil.rmtree(work / "inductor", ignore_errors=True)  # the compiled kernels; the log and stats stay
     result.update(setup=s.name, label=s.label, ready_s=round(ready_s, 2), wall_s=round(time.monotonic() - t0, 1),
                   peak_rss_mib=rss, rss_processes=processes, server=server_stats(work / "stats"),
                   loadavg_before=load_before, loadavg_after=os.getloadavg())

@@ -76,9 +76,10 @@ def run_mode(mode: str, model: str, threads: int) -> dict[str, Any]:
     disable = MODES[mode]
     if disable:
         env["TTC_DISABLE"] = disable
-    env["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="serve-new-shape-")
-    p = subprocess.run([sys.executable, __file__, "--child", "--model", model, "--threads", str(threads)], cwd=ROOT,
-                       env=env, capture_output=True, text=True, timeout=300)
+    with tempfile.TemporaryDirectory(prefix="serve-new-shape-") as cache:  # cold: nothing compiled before
+        env["TORCHINDUCTOR_CACHE_DIR"] = cache
+        p = subprocess.run([sys.executable, __file__, "--child", "--model", model, "--threads", str(threads)],
+                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     if p.returncode:
         raise RuntimeError(f"{mode} run failed (rc {p.returncode}):\n{p.stderr[-3000:]}")
     return dict(json.loads(p.stdout.strip().splitlines()[-1]), mode=mode)
