@@ -12,7 +12,8 @@ from contextvars import ContextVar
 from typing import Any, Callable, ContextManager
 
 __all__ = [
-    "loaded", "present_callables", "compile_lock", "holds_compile_lock", "compile_lock_waiters", "compile_lock_or_null", "skip_code", "cache_entry_lister",
+    "loaded", "present_callables", "compile_lock", "holds_compile_lock", "compile_lock_waiters", "compile_lock_or_null",
+    "skip_code", "cache_entry_lister",
     "CONFIG_MODULE", "config_unset", "config_entries", "reset_config_caches", "program_threads_started",
     "COMPILER_FLAG_USERS_KNOWN", "compiler_flag_users",
 ]
