@@ -9,19 +9,20 @@ import subprocess
 import sys
 from typing import Callable
 
+import _repo  # noqa: F401 - the repository root on sys.path
+from torch_threadsafe_compile._env import child_environ
+
 
 def child_env(disabled: bool, tree: str | None = None) -> dict[str, str]:
     """The environment of a benchmark child: the caller's without ``TTC_*``; ``TTC_DISABLE=1`` when
     ``disabled``; with ``tree`` (a checkout of this project) first on ``PYTHONPATH``, so that the child's
     start-up hook activates that tree's package instead of the installed one (two commits in one run)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TTC_")}
+    env = child_environ(disable="1" if disabled else None)
     if tree is not None:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.abspath(tree), env.get("PYTHONPATH", "")) if p)
     # Measure as users run: with bytecode caching (pip install writes .pyc files; an environment that
     # forbids writing them would make every start compile our sources, ~3 ms, and torch's).
     env.pop("PYTHONDONTWRITEBYTECODE", None)
-    if disabled:
-        env["TTC_DISABLE"] = "1"
     env.setdefault("PYTHONWARNINGS", "ignore")
     return env
 

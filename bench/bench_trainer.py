@@ -30,6 +30,9 @@ import subprocess
 import sys
 import tempfile
 import time
+
+import _repo  # noqa: F401 - the repository root on sys.path
+from torch_threadsafe_compile._env import child_environ
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -379,7 +382,7 @@ def main() -> int:
         base += ["--steps", str(a.steps)]
     if a.measure_after is not None:
         base += ["--measure-after", str(a.measure_after)]
-    env = {k: v for k, v in os.environ.items() if k != "TTC_DISABLE"}
+    env = child_environ()
     if a.pythonpath:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [a.pythonpath, env.get("PYTHONPATH")]))
     work = Path(a.work_dir or tempfile.mkdtemp(prefix="bench-trainer-"))

@@ -13,7 +13,7 @@ and writes ``docs/compat.md``: one row per hazard scenario and per patch, one co
 header names the commit it was generated at and whether the working tree differed from it.
 
     python bench/compat_matrix.py                                  # all default versions, venvs under .venvs/
-    python bench/compat_matrix.py --venv-root ~/torch-venvs         # or TTC_COMPAT_VENV_ROOT=~/torch-venvs
+    python bench/compat_matrix.py --venv-root ~/torch-venvs         # or BENCH_COMPAT_VENV_ROOT=~/torch-venvs
     python bench/compat_matrix.py --versions 2.11.0 2.13.0
     python bench/compat_matrix.py --reuse-venv 2.13.0=/path/to/venv --versions 2.13.0 --out /tmp/compat.md
     python bench/compat_matrix.py --json /tmp/m.json ...; python bench/compat_matrix.py --from-json /tmp/m.json
@@ -22,7 +22,7 @@ Venvs: ``<venv-root>/torch-<V>`` is used when it exists and created otherwise (`
 torch==V wrapt packaging numpy pytest`` with ``PIP_CONFIG_FILE=/dev/null``, except 2.13.0, which takes the
 local pip configuration's CPU wheel; then ``pip install --no-deps -e <repo>``), unless that would leave less
 than ``--min-free-gb`` (default 12) free on its disk: such a version reads "not run (venv)". The venv root defaults to
-``$TTC_COMPAT_VENV_ROOT``, else ``.venvs/`` in the repository (git-ignored by a ``.gitignore`` written into
+``$BENCH_COMPAT_VENV_ROOT``, else ``.venvs/`` in the repository (git-ignored by a ``.gitignore`` written into
 it). ``--reuse-venv V=PATH`` (repeatable) takes an existing venv for version V as found: nothing is installed
 into it except this package when it does not resolve to this checkout; a torch mismatch is reported.
 

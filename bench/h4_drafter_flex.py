@@ -17,18 +17,17 @@ import sys
 import tempfile
 import time
 
+import _repo  # noqa: F401 - the repository root on sys.path
+from torch_threadsafe_compile._env import child_environ
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 
 def one(disabled: bool, timeout: float, out_dir: str | None, tag: str) -> dict:
     cache = tempfile.mkdtemp(prefix="ttc-h4-cache-")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TTC_")}
+    env = child_environ(disable="1" if disabled else None, watchdog_s=None if disabled else max(10, timeout / 3))
     env.update(TORCHINDUCTOR_CACHE_DIR=cache, TRITON_CACHE_DIR=os.path.join(cache, "triton"), PYTHONUNBUFFERED="1")
-    if disabled:
-        env["TTC_DISABLE"] = "1"
-    else:
-        env["TTC_WATCHDOG"] = str(max(10, timeout / 3))
     cmd = [sys.executable, "-X", "faulthandler", "-c",
            "import faulthandler, sys, json; faulthandler.dump_traceback_later(%r, exit=True); "
            "from ttc_testing.scenarios import drafter_flex; r = drafter_flex(); "

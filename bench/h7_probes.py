@@ -16,6 +16,9 @@ import sys
 import tempfile
 import time
 
+import _repo  # noqa: F401 - the repository root on sys.path
+from torch_threadsafe_compile._env import child_environ
+
 CUDAGRAPHS = r"""
 import json, threading, torch, collections
 errs = collections.Counter(); ok = [0]
@@ -45,9 +48,7 @@ print("RESULT " + json.dumps(dict(ok=True)))
 
 
 def _env(disabled: bool, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TTC_")}
-    if disabled:
-        env["TTC_DISABLE"] = "1"
+    env = child_environ(disable="1" if disabled else None)
     env.update(extra)
     return env
 

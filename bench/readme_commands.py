@@ -31,6 +31,9 @@ import tempfile
 import time
 from pathlib import Path
 
+import _repo  # noqa: F401 - the repository root on sys.path
+from torch_threadsafe_compile._env import child_environ
+
 ROOT = Path(__file__).resolve().parents[1]
 MARK = "<!-- readme-commands: run -->"
 SAMPLE = re.compile(r"^<!-- readme-sample: ([\w-]+) -->$")
@@ -86,7 +89,7 @@ def samples(text: str) -> dict[str, tuple[int, int]]:
 
 def sample_text(name: str) -> str:
     """The sample ``name`` made now: each command after ``$ ``, then what it printed (stdout and stderr)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TTC_")}  # the package's defaults
+    env = child_environ()  # the package's defaults
     env.setdefault("PYTHONWARNINGS", "ignore")
     out = []
     with tempfile.TemporaryDirectory() as cwd:  # not the checkout: the package comes from the installation

@@ -80,6 +80,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterable, Optional
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: the package's _env
+from torch_threadsafe_compile._env import child_environ  # noqa: E402 - standard library only, like this script
+
 ROOT = Path(__file__).resolve().parents[1]
 OWN_TESTS = ROOT / "bench" / "pytorch_tests" / "test"
 PLUGINS = ROOT / "bench" / "pytest_plugins"  # on every child's PYTHONPATH: ttc_torch_compat, ttc_parallel_plan
@@ -232,13 +235,12 @@ PYCACHE_PREFIX: Optional[str] = str(Path(tempfile.gettempdir()) / "ttc-upstream-
 
 
 def child_env(mode: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TTC_")}
+    env = child_environ(disable="1" if mode == "disabled" else "0")
     # Bytecode caching on, as users run (an environment that forbids .pyc files would make every child
     # compile torch's and our sources on import, a cost neither mode has in practice).
     env.pop("PYTHONDONTWRITEBYTECODE", None)
     if PYCACHE_PREFIX:
         env["PYTHONPYCACHEPREFIX"] = PYCACHE_PREFIX
-    env["TTC_DISABLE"] = "1" if mode == "disabled" else "0"
     env["PYTHONPATH"] = str(PLUGINS) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     return env
 

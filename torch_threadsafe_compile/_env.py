@@ -132,6 +132,24 @@ def current() -> Settings:
     return _current
 
 
+PREFIX = "TTC_"  # every variable of the package starts with it
+
+
+def child_environ(environ: Mapping[str, str] | None = None, disable: str | None = None,
+                  watchdog_s: float | None = None) -> dict[str, str]:
+    """A copy of ``environ`` (default ``os.environ``) for a child process that must start from the package's
+    defaults: every ``TTC_*`` variable removed; with ``disable``, ``TTC_DISABLE`` set to it (``"1"``: the
+    package off, ``"0"``: on; patch ids: those left out); with ``watchdog_s``, ``TTC_WATCHDOG``. The one place
+    outside the package's settings that knows the variables' names: the benches and examples ask here instead
+    of reading or filtering them themselves."""
+    env = {k: v for k, v in (os.environ if environ is None else environ).items() if not k.startswith(PREFIX)}
+    if disable is not None:
+        env[DISABLE] = disable
+    if watchdog_s is not None:
+        env["TTC_WATCHDOG"] = f"{watchdog_s:g}"
+    return env
+
+
 def free_threaded_build() -> bool:
     """Whether this CPython is a free-threaded build (``Py_GIL_DISABLED``), whatever the GIL's state now.
     ``sys.abiflags`` says so on POSIX ("t"); ``sysconfig`` elsewhere (it costs ~1 ms to load its data, paid

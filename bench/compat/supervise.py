@@ -17,6 +17,8 @@ import threading
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
+from ._package_env import child_environ
+
 from .scrub import SCRUB
 
 _print_lock = threading.Lock()
@@ -35,8 +37,7 @@ def child_env(disable: bool, pythonpath: Optional[str] = None) -> Dict[str, str]
     """The caller's environment minus ``TTC_*``, ``PYTHONPATH`` and ``VIRTUAL_ENV``, with the package's mode set.
 
     ``pythonpath``: the only ``PYTHONPATH`` the child gets (the repository root for ``ttc_testing``)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TTC_") and k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    env["TTC_DISABLE"] = "1" if disable else "0"
+    env = {k: v for k, v in child_environ(disable="1" if disable else "0").items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env.setdefault("PYTHONWARNINGS", "ignore")
     env["PYTHONFAULTHANDLER"] = "1"
     if pythonpath:

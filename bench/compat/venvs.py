@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Dict, List
 
 from . import ROOT
+from ._package_env import child_environ
 from .scrub import SCRUB
 from .supervise import child_env, last_line, log, run_proc
 
@@ -29,7 +30,7 @@ DEFAULT_VERSIONS = ["2.4.1", "2.5.1", "2.6.0", "2.7.1", "2.8.0", "2.9.1", "2.10.
 PLAIN_PIP_VERSIONS = {"2.13.0"}
 # pytest: the venvs double as test environments for the suite on that torch.
 TORCH_EXTRAS = ["wrapt", "packaging", "numpy", "pytest"]
-VENV_ROOT_ENV = "TTC_COMPAT_VENV_ROOT"
+VENV_ROOT_ENV = "BENCH_COMPAT_VENV_ROOT"
 VENV_GB = 6.0  # what one venv with a CUDA build of torch takes on disk, rounded up (4.7-5.5 GB for 2.4-2.15)
 MIN_FREE_GB = 12.0  # default floor of free disk space that creating a venv must leave
 DEFAULT_VENV_ROOT = ROOT / ".venvs"
@@ -87,9 +88,7 @@ def _pip(py: Path, args: List[str], env: Dict[str, str], label: str) -> None:
 
 
 def _pip_env() -> Dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TTC_")}
-    env["TTC_DISABLE"] = "1"  # pip itself runs in the venv: the package must not patch anything there
-    return env
+    return child_environ(disable="1")  # pip itself runs in the venv: the package must not patch anything there
 
 
 def _check_disk(root: Path, min_free_gb: float) -> None:
