@@ -145,27 +145,26 @@ async def open_loop(client: httpx.AsyncClient, jobs: Sequence[Job], rate: float,
     return outcomes[:len(jobs)], (outcomes[-1] if extra is not None else None)
 
 
-def abs_diff(o: Outcome) -> float | None:
-    """The largest difference between an answer and its eager reference; None for no answer or a wrong shape."""
+def _answer(o: Outcome) -> torch.Tensor | None:
+    """The answer as a tensor of the reference's shape; None for no answer, an unreadable one or a wrong shape."""
     if o.status != 200 or o.outputs is None:
         return None
     try:
         out = torch.tensor(o.outputs, dtype=torch.float32)
     except (TypeError, ValueError):
         return None
-    if out.shape != o.job.reference.shape:
-        return None
-    return float((out - o.job.reference).abs().max())
+    return out if out.shape == o.job.reference.shape else None
+
+
+def abs_diff(o: Outcome) -> float | None:
+    """The largest difference between an answer and its eager reference; None for no answer or a wrong shape."""
+    out = _answer(o)
+    return None if out is None else float((out - o.job.reference).abs().max())
 
 
 def is_correct(o: Outcome) -> bool:
-    if o.status != 200 or o.outputs is None:
-        return False
-    try:
-        out = torch.tensor(o.outputs, dtype=torch.float32)
-    except (TypeError, ValueError):
-        return False
-    return out.shape == o.job.reference.shape and bool(torch.allclose(out, o.job.reference, rtol=RTOL, atol=ATOL))
+    out = _answer(o)
+    return out is not None and bool(torch.allclose(out, o.job.reference, rtol=RTOL, atol=ATOL))
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
