@@ -226,6 +226,25 @@ rt.begin(object(), begin, (), {})
 seeds = [g.initial_seed() for g in made]
 out["seeds_distinct"] = len(set(seeds)) == len(seeds) and 7 not in seeds
 rt._captures()[-1].mode.__exit__(None, None, None); rt._captures().pop()
+import sys
+intervals = []
+def begin_seeing_interval(graph, *a, **k):
+    intervals.append(sys.getswitchinterval())
+    begin(graph, *a, **k)
+before = sys.getswitchinterval()
+rt.begin_switch_interval = 1e-5  # the GIL switch interval while capture_begin runs, then the program's again
+rt.begin(object(), begin_seeing_interval, (), {})
+rt._captures()[-1].mode.__exit__(None, None, None); rt._captures().pop()
+try:
+    rt.begin(object(), begin_seeing_interval, (), {"fail": True})
+except RuntimeError:
+    pass
+out["interval_inside"] = intervals
+out["interval_restored"] = sys.getswitchinterval() == before and default.state == "live"
+rt.begin_switch_interval = None
+rt.begin(object(), begin_seeing_interval, (), {})
+rt._captures()[-1].mode.__exit__(None, None, None); rt._captures().pop()
+out["interval_untouched_by_default"] = intervals[-1] == before
 rt.threads_started = lambda: False  # single-threaded program: upstream's capture, nothing switched
 n = len(default.log)
 rt.begin(object(), begin, (), {})
@@ -242,7 +261,12 @@ def test_h7_rng_switch_around_capture_begin_with_stand_ins() -> None:
     assert r["begin_error"] == "capture_begin failed" and r["live_after_failed_begin"]
     assert r["seeds_distinct"]
     assert r["upstream_when_single"]
-    assert r["stats"]["private_captures"] == 2 and r["stats"]["upstream_captures"] == 1
+    assert r["stats"]["private_captures"] == 4 and r["stats"]["upstream_captures"] == 1
+    # begin_switch_interval: set for capture_begin only, restored after it (also when it fails); off by default
+    assert [round(v * 1e6, 3) for v in r["interval_inside"][:2]] == [10.0, 10.0]
+    assert r["interval_restored"] and r["interval_untouched_by_default"]
+    # the window (default generator pointed at the private state) is timed for report()
+    assert r["stats"]["window_us_total"] > 0 and r["stats"]["window_us_max"] <= r["stats"]["window_us_total"]
 
 
 def test_h7_rng_threads_started_counts_program_threads_only() -> None:
