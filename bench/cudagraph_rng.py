@@ -47,6 +47,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
+import _repo  # noqa: F401 - the repository root on sys.path
+from torch_threadsafe_compile._env import child_environ
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 GROUPS = ("issue", "layouts", "dropout", "server", "upstream", "window")
@@ -563,12 +566,10 @@ def child_main(name: str, kwargs: dict[str, Any], watchdog: float) -> None:
 
 
 def _env(disabled: bool, cache: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TTC_")}
+    env = child_environ(disable="1" if disabled else None)
     env.update(TORCHINDUCTOR_CACHE_DIR=cache, TRITON_CACHE_DIR=os.path.join(cache, "triton"), PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH", "")) if p)
     env.setdefault("PYTHONWARNINGS", "ignore")
-    if disabled:
-        env["TTC_DISABLE"] = "1"
     return env
 
 
