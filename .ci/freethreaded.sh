@@ -3,7 +3,9 @@
 # CPython 3.13t with the GIL off (PYTHON_GIL=0), torch 2.12.0 (the first release with cp313t wheels on PyPI
 # that the package supports there; a CUDA build, run on the CPU like the 2.11 leg).
 #
-#   .ci/freethreaded.sh                 build (or reuse) the interpreter, fresh venv, run everything
+#   .ci/freethreaded.sh [all]           build (or reuse) the interpreter, fresh venv, run everything
+#   .ci/freethreaded.sh prepare         only the interpreter and the venv (.ci/run starts this in the background)
+#   .ci/freethreaded.sh test            only the tests, in the venv that `prepare` left (removed afterwards)
 #   env: TTC_FT_PYTHON   a free-threaded interpreter to use instead of building one
 #        TTC_FT_CACHE    where the interpreter is built and kept (default $HOME/.cache/ttc-freethreaded)
 #        TTC_FT_TORCH    torch version (default 2.12.0)
@@ -17,7 +19,10 @@ stamp() { echo "== $1 ($(( $(date +%s) - start )) s, $(df -Ph . | awk 'NR==2 {pr
 CACHE=${TTC_FT_CACHE:-$HOME/.cache/ttc-freethreaded}
 TORCH=${TTC_FT_TORCH:-2.12.0}
 VENV=.venv-ft
+PHASE=${1:-all}
+case "$PHASE" in all|prepare|test) ;; *) echo "usage: $0 [all|prepare|test]" >&2; exit 2;; esac
 
+prepare() {
 # 1. The interpreter (cached between runs).
 stamp "free-threaded interpreter"
 if [ -n "${TTC_FT_PYTHON:-}" ]; then
@@ -30,6 +35,7 @@ else
         # Debian's archive unreachable, no source served): said loudly and left out; a build that fails, or
         # any test below, fails the leg.
         echo "== free-threaded leg NOT RUN: no free-threaded interpreter could be built here (see above)"
+        : > "$VENV.not-run"  # read by the test phase, which then says so again and exits 0
         exit 0
     fi
     [ "$rc" = 0 ] || exit "$rc"
@@ -39,14 +45,23 @@ fi
 # 2. A fresh venv: torch (cp313t wheel) and the package. numpy below 2.4: the newer releases publish no
 #    cp313t wheels (pip would build one from source for ~10 min). The public index, as for the other legs.
 stamp "venv torch $TORCH (cp313t)"
-rm -rf "$VENV"
-trap 'rm -rf "$VENV"' EXIT  # ~5 GB: removed whether the leg passes or stops on a failure
+rm -rf "$VENV" "$VENV.not-run"
 "$py" -m venv "$VENV"
 PIP_CONFIG_FILE=/dev/null "$VENV/bin/pip" install -q --no-cache-dir --only-binary=:all: "torch==$TORCH" 'numpy<2.4'
 # The test extra's pytest packages, not the extra itself: its gevent needs cffi, which refuses to build for
 # the free-threaded 3.13 (gevent's tests are not in the suites below).
-PIP_CONFIG_FILE=/dev/null "$VENV/bin/pip" install -q -e . 'pytest>=7' pytest-timeout
+PIP_CONFIG_FILE=/dev/null "$VENV/bin/pip" install -q -e . 'pytest>=7' pytest-timeout pytest-xdist
+touch "$VENV/.ttc-prepared"
+}
 
+run_tests() {
+if [ -f "$VENV.not-run" ]; then
+    rm -f "$VENV.not-run"
+    echo "== free-threaded leg NOT RUN: no free-threaded interpreter could be built here (see the prepare log)"
+    exit 0
+fi
+[ -f "$VENV/.ttc-prepared" ] || { echo "$VENV was not prepared (run: $0 prepare)" >&2; exit 1; }
+trap 'rm -rf "$VENV"' EXIT  # ~5 GB: removed whether the leg passes or stops on a failure
 # 3. Everything below runs with the GIL off. `import torch` keeps it off; inductor imports triton, whose
 #    extension does not declare free-threading support: without PYTHON_GIL=0 that import turns the GIL on.
 export PYTHON_GIL=0
@@ -56,7 +71,7 @@ stamp "pytest, patch suites (GIL off)"
 PATCH_SUITE=(tests/test_hazards.py tests/test_registry.py tests/test_startup.py tests/test_env.py
              tests/test_first_compile.py tests/test_lazy_backward.py tests/test_do_no_harm.py
              tests/test_same_thread.py tests/test_cudagraph_threads.py tests/test_freethreaded.py)
-"$VENV/bin/python" -m pytest -q -p no:cacheprovider "${PATCH_SUITE[@]}"
+"$VENV/bin/python" -m pytest -q -p no:cacheprovider -n 2 "${PATCH_SUITE[@]}"
 
 stamp "doctor --selftest (GIL off)"
 "$VENV/bin/python" -m torch_threadsafe_compile doctor --selftest
@@ -65,3 +80,8 @@ stamp "short soak (GIL off)"
 "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/soak/test_soak.py
 
 stamp "done"
+}
+
+# The interpreter could not be built here (exit 75 above, said loudly): nothing to test.
+[ "$PHASE" = test ] || prepare
+[ "$PHASE" = prepare ] || run_tests

@@ -10,6 +10,7 @@ a test that passes with ``TTC_DISABLE=1`` must pass with the package active. Thi
     python bench/upstream_tests.py --list                         # which files would run
     python bench/upstream_tests.py --md docs/upstream-tests.md --json results.json   # table into the doc
     python bench/upstream_tests.py --parallel-threads 4 --md docs/upstream-tests.md  # every test body in 4 threads
+    python bench/upstream_tests.py --jobs 2 --files 'dynamo/test_misc.py'      # two files at once (verdicts only)
 
 Test roots (each one a ``test/`` folder laid out as in ``pytorch/pytorch``, with an optional
 ``../baseline-disabled.txt`` of tests known to fail with ``TTC_DISABLE=1``):
@@ -74,7 +75,9 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 import xml.etree.ElementTree as ET
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -259,6 +262,9 @@ def _limit_memory() -> None:  # runs in the child, between fork and exec
 # With --parallel-threads: seconds without any new output after which a child counts as hung (0: off).
 STALL_S = 0.0
 _POLL_S = 2.0
+# With --jobs: set when the main thread is interrupted (Ctrl-C, SIGTERM), so that every worker kills the
+# child it is running and starts no other.
+_STOP = threading.Event()
 
 
 def _run(cmd: list[str], cwd: Path, env: dict[str, str], timeout: float,
@@ -267,6 +273,8 @@ def _run(cmd: list[str], cwd: Path, env: dict[str, str], timeout: float,
     included) so nothing of a hung file outlives it. With ``stall_s``, a child whose output has not grown
     for that long is dumped (:func:`_dump_stacks`) and killed. Returns (rc, output, wall, timed out, hung)."""
     t0 = time.monotonic()
+    if _STOP.is_set():
+        raise KeyboardInterrupt
     with tempfile.TemporaryFile(mode="w+", encoding="utf-8", errors="replace") as out:
         proc = subprocess.Popen(cmd, cwd=str(cwd), env=env, stdout=out, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True,
@@ -279,6 +287,8 @@ def _run(cmd: list[str], cwd: Path, env: dict[str, str], timeout: float,
                 try:
                     rc = proc.wait(timeout=_POLL_S)
                 except subprocess.TimeoutExpired:
+                    if _STOP.is_set():
+                        raise KeyboardInterrupt
                     now = time.monotonic()
                     grown = os.fstat(out.fileno()).st_size
                     if grown != size:
@@ -584,31 +594,49 @@ def file_plan(python: str, f: TestFile, tmp: Path, file_timeout: float) -> Optio
     return plan
 
 
+def _run_both_modes(i: int, f: TestFile, python: str, tmp: Path, file_timeout: float, test_timeout: float,
+                    rerun: int, log_dir: Optional[Path], baseline: set[str]) -> FileResult:
+    """One file in both modes (the order alternating with ``i``), then its active-only failures alone."""
+    order = MODES if i % 2 == 0 else MODES[::-1]
+    runs: dict[str, Run] = {}
+    plan = file_plan(python, f, tmp, file_timeout)
+    for mode in order:
+        log(f"{f.key} [{mode}] ...")
+        runs[mode] = r = run_file(python, f, mode, tmp, file_timeout, test_timeout, log_dir=log_dir, plan=plan)
+        log(f"{f.key} [{mode}] {r.count('passed')} passed, {r.count(*FAILED)} failed, "
+            f"{r.count('skipped')} skipped, {r.wall_s:.1f} s{' — ' + r.crashed if r.crashed else ''}")
+    res = compare(f, runs, baseline)
+    # Each failure alone, in a fresh interpreter per mode: a test that passes alone failed through
+    # state left by earlier tests of its file (a leak across tests), not by itself.
+    for nid in [nid for nid in res.active_only if "::" in nid][:rerun]:
+        for mode in order:
+            alone = run_file(python, f, mode, tmp, file_timeout, test_timeout, targets=[nid], log_dir=log_dir,
+                             plan=plan)
+            res.rerun.setdefault(nid, {})[mode] = alone.statuses.get(nid) or (alone.crashed and "crashed") or "not run"
+    return res
+
+
 def run_all(files: list[TestFile], python: str, file_timeout: float, test_timeout: float, rerun: int,
-            log_dir: Optional[Path]) -> tuple[list[FileResult], dict[str, dict]]:
+            log_dir: Optional[Path], jobs: int = 1) -> tuple[list[FileResult], dict[str, dict]]:
+    """Every file in both modes. With ``jobs`` > 1, that many files at once (each file's two modes still one
+    after the other, in one worker): a verdict per test does not depend on the machine's load the way a
+    timing does, so CI runs its comparison two files at a time on two cores."""
     baselines = {root: read_baseline(root) for root in {f.root for f in files}}
     probes = {mode: probe(python, files[0].root, mode, min(file_timeout, 300)) for mode in MODES}
-    results: list[FileResult] = []
     with tempfile.TemporaryDirectory(prefix="ttc-upstream-") as tmpdir:
         tmp = Path(tmpdir)
-        for i, f in enumerate(files):
-            order = MODES if i % 2 == 0 else MODES[::-1]
-            runs: dict[str, Run] = {}
-            plan = file_plan(python, f, tmp, file_timeout)
-            for mode in order:
-                log(f"{f.key} [{mode}] ...")
-                runs[mode] = r = run_file(python, f, mode, tmp, file_timeout, test_timeout, log_dir=log_dir, plan=plan)
-                log(f"{f.key} [{mode}] {r.count('passed')} passed, {r.count(*FAILED)} failed, "
-                    f"{r.count('skipped')} skipped, {r.wall_s:.1f} s{' — ' + r.crashed if r.crashed else ''}")
-            res = compare(f, runs, baselines[f.root])
-            # Each failure alone, in a fresh interpreter per mode: a test that passes alone failed through
-            # state left by earlier tests of its file (a leak across tests), not by itself.
-            for nid in [nid for nid in res.active_only if "::" in nid][:rerun]:
-                for mode in order:
-                    alone = run_file(python, f, mode, tmp, file_timeout, test_timeout, targets=[nid], log_dir=log_dir,
-                                     plan=plan)
-                    res.rerun.setdefault(nid, {})[mode] = alone.statuses.get(nid) or (alone.crashed and "crashed") or "not run"
-            results.append(res)
+        args = (python, tmp, file_timeout, test_timeout, rerun, log_dir)
+        if jobs <= 1:
+            return [_run_both_modes(i, f, *args, baselines[f.root]) for i, f in enumerate(files)], probes
+        pool = ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="upstream-file")
+        futures = [pool.submit(_run_both_modes, i, f, *args, baselines[f.root]) for i, f in enumerate(files)]
+        try:
+            results = [fu.result() for fu in futures]  # in the files' order, whatever order they end in
+        except BaseException:
+            _STOP.set()  # each worker kills its child's process group (see _run) and starts no other
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise
+        pool.shutdown(wait=True)
     return results, probes
 
 
@@ -889,6 +917,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--thread-plan", choices=("union", "disabled"), default="union",
                     help="with --parallel-threads: which tests run in N threads in both modes: 'union' (default) "
                          "if either mode's judgement runs them there; 'disabled': TTC_DISABLE=1's judgement alone")
+    ap.add_argument("--jobs", type=int, default=1, metavar="N",
+                    help="run N files at once (each file's two modes one after the other; default 1). Per-test "
+                         "verdicts only: the wall times in the table are then measured under each other's load")
     ap.add_argument("--stall-s", type=float, default=120.0,
                     help="with --parallel-threads: a child with no new output for this long is dumped and killed, "
                          "counted as a hang (default 120; 0: off)")
@@ -930,7 +961,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0 if all(r["completed"] for r in rows) else 1
 
     try:
-        results, probes = run_all(files, args.python, args.timeout, args.test_timeout, args.rerun, args.log_dir)
+        results, probes = run_all(files, args.python, args.timeout, args.test_timeout, args.rerun, args.log_dir,
+                                  jobs=max(1, args.jobs))
     except KeyboardInterrupt:
         print("interrupted; the running test file was stopped", file=sys.stderr)
         return 130

@@ -103,7 +103,7 @@ def _assert_same_as_disabled(data: dict, files: list[str], report: str, rc: int)
 # The two largest dynamo files of ../shared (about 1,000 tests of graph breaks, continuations, guards and
 # resets, one thread): a performance change to the gate once made 10 of them fail only with the package
 # (RecursionError through the continuation gates) while every stage of CI passed. 4-8 minutes per mode on
-# two cores, so not part of the plain ``pytest`` run: ``.ci/run`` runs it as a stage of its own
+# two cores one file after the other (half that two at a time), so not part of the plain ``pytest`` run: ``.ci/run`` runs it as a stage of its own
 # (``pytest -m upstream_dynamo``), the same process layout as the full comparison (one pytest per file).
 DYNAMO_FILES = ["dynamo/test_misc.py", "dynamo/test_repros.py"]
 DYNAMO_FILE_TIMEOUT_S = 900
@@ -116,7 +116,10 @@ def test_upstream_dynamo_single_thread_matches_disabled(tmp_path: Path) -> None:
     assert SHARED.is_dir(), f"needs upstream's test files at {SHARED.relative_to(REPO.parent)} (see docs/upstream-tests.md)"
     missing = [m for m in ("pytest_timeout", "expecttest") if importlib.util.find_spec(m) is None]
     assert not missing, f"upstream tests need {missing}: pip install -e '.[test]'"
-    args = ["--tests-dir", str(SHARED), "--no-own", "--rerun", "3", "--timeout", str(DYNAMO_FILE_TIMEOUT_S)]
+    # Two files at once (--jobs 2, one per core): the verdict is per test, and each file's two modes still
+    # run one after the other in one worker, under the same load.
+    args = ["--tests-dir", str(SHARED), "--no-own", "--rerun", "3", "--timeout", str(DYNAMO_FILE_TIMEOUT_S),
+            "--jobs", "2"]
     data, report, rc = _compare(args, DYNAMO_FILES, tmp_path / "r.json", DYNAMO_TOTAL_TIMEOUT_S)
     _assert_same_as_disabled(data, DYNAMO_FILES, report, rc)
 
