@@ -129,6 +129,12 @@ _lines: dict[str, tuple[tuple[int, int], list[str]]] = {}
 _lines_lock = threading.Lock()
 
 
+@_forksafe.in_child
+def _lines_after_fork() -> None:
+    global _lines_lock
+    _lines_lock = threading.Lock()  # a thread of the parent may have held it (a patch applied in a thread)
+
+
 def _file_lines(filename: str) -> list[str]:
     st = os.stat(filename)
     stamp = (st.st_mtime_ns, st.st_size)

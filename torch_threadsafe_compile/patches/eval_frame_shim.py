@@ -36,7 +36,7 @@ import sys
 import threading
 from typing import Any
 
-from torch_threadsafe_compile import _env
+from torch_threadsafe_compile import _env, _forksafe
 from torch_threadsafe_compile._journal import Changes
 from torch_threadsafe_compile._torch import loaded, skip_code
 from torch_threadsafe_compile.registry import SPECS
@@ -54,17 +54,21 @@ TARGETS = (
 _lock = threading.Lock()
 
 
+@_forksafe.in_child
+def _after_fork() -> None:
+    global _lock
+    _lock = threading.Lock()  # a thread of the parent may have held it (the wrapper reads it per call)
+
+
 def _c_module() -> Any:
     torch = loaded("torch")
     return getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None)
 
 
 def _serialized(original: Any) -> Any:
-    lock = _lock
-
     @functools.wraps(original)
     def set_eval_frame(callback: Any) -> Any:
-        with lock:
+        with _lock:  # read per call: a forked child rebinds it (_after_fork)
             return original(callback)
 
     set_eval_frame.__wrapped__ = original  # type: ignore[attr-defined]

@@ -22,6 +22,7 @@ import threading
 import types
 from typing import Any, Callable
 
+from torch_threadsafe_compile import _forksafe
 from torch_threadsafe_compile._rewrite import rewrite_function
 from torch_threadsafe_compile._torch import skip_code
 from torch_threadsafe_compile.patches.first_compile import _calls, _flights, _reset
@@ -121,6 +122,12 @@ def _gate_factory(compile_wrapper: Callable[..., Any], key: types.CodeType | Non
 MAX_SIGNATURES = 64
 _factories: dict[tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]], Callable[..., Any] | None] = {}
 _factories_lock = threading.Lock()  # a leaf lock
+
+
+@_forksafe.in_child
+def _after_fork() -> None:
+    global _factories_lock
+    _factories_lock = threading.Lock()  # a thread of the parent may have held it while making a factory
 
 
 class _OwnSignature(ast.NodeTransformer):
