@@ -11,13 +11,14 @@ lookup after 2.15 (pytorch/pytorch#195355).
 
 This patch makes the threads look again. The path of one compiled call (docs/architecture.md):
 
-1. ``_gate``: what ``torch.compile()`` returns gets a transparent gate. A call waits if another thread's
-   first call of the same function is in flight (``_flights``), and calls dynamo's wrapper. Warm calls
-   end there; the callback finds a gated call's state from the thread's frames (``_calls``).
+1. ``_gate``: what ``torch.compile()`` returns gets a transparent gate, which calls dynamo's wrapper.
+   Warm calls end there and never wait for other threads; the callback finds a gated call's state from
+   the thread's frames (``_calls``).
 2. ``_callback``: on a cache miss, dynamo calls its frame callback. For the first frame of a gated call it
    asks the ``_cache_probe`` whether the cache holds an entry that fits (before and after taking
-   ``compile_lock``); if so it raises ``Retry`` and the gate calls again. Otherwise the frame compiles as
-   upstream, and the gated call becomes a flight that its function's other callers wait for.
+   ``compile_lock``); if so it raises ``Retry``: the gate waits while other threads' flights of the
+   function compile (``_flights``: bounded, never for their whole call) and calls again. Otherwise the
+   frame compiles as upstream, and the gated call becomes a flight.
 3. ``_continuations`` (and ``_continuations_pre212`` before torch 2.12): graph-break continuations, called
    from compiled code, get retrying gates of their own.
 4. ``_reset``: ``torch._dynamo.reset()`` waits until no other thread is inside a gated call, and new calls

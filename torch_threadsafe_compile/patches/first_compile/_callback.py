@@ -147,24 +147,28 @@ class FrameCallback:
         t0 = time.perf_counter()
         lock = compile_lock()  # read at call time: compile_lock_watchdog may have wrapped it
         flight = owner.flight if owner is not None else None
-        if flight is not None:
-            flight.queued += 1  # its waiters need not wait for this thread's turn at the lock
+        # Given back by hold count, whatever point an asynchronous exception arrives at (see _flights.fly).
+        held = _flights.hold_count(lock)
+        before = held()
         try:
-            lock.acquire()
-        finally:
             if flight is not None:
-                flight.queued -= 1
-        try:
+                flight.queued += 1  # its waiters need not wait for this thread's turn at the lock
+            try:
+                lock.acquire()
+            finally:
+                if flight is not None:
+                    flight.queued -= 1
             waited = time.perf_counter() - t0
             served = retry and self.probe.matches(frame, backend)
             if not served:
                 result = _flights.fly(owner.key if owner else None, owner, compile_fn, lock)
         finally:
-            lock.release()
+            while held() > before:
+                lock.release()
         if served:
             call.attempt += 1
             self.stats.record(code, "served_by_other_thread", waited)
-            raise Retry()  # the gate waits for the server's flight to land, then calls again
+            raise Retry()  # the gate waits for the server's flight's compiles (_flights.await_others), then calls again
         if getattr(result, "guarded_code", result) is not None:
             self.stats.record(code, "compiles", waited)
         return result

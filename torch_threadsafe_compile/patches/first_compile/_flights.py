@@ -1,16 +1,24 @@
-"""Flights: a gated call that compiled something, and the wait of its function's other callers.
+"""Flights: a gated call that compiled something, and the wait of the calls that missed meanwhile.
 
-A gated call that compiles anything is a *flight* of its function until the call returns. Other threads
-entering the gate of the same function (same first code object, so per-thread ``torch.compile(module
-copy)`` counts as one function) wait for the flight to land before they call, holding no lock: so the
-graph-break continuations and the functions called from compiled code that the flight compiles on its
-way are compiled once, not once per thread. The wait is bounded: it lasts while the flight compiles
-(upstream would wait for ``compile_lock`` as long) and at most ``FOLLOW_FACTOR`` times its compile time
-after that (1 s … ``FOLLOW_MAX_S``), at most ``COMPILE_WAIT_MAX_S`` in all. It ends at once when the
-flight queues for ``compile_lock`` behind another function's compile: then the waiters' own calls (which
-may need nothing compiled) are not held up by compiles elsewhere, for instance a neighbour whose compiles
-keep failing. A thread that is itself compiling or holds ``compile_lock`` (an export, an FX trace) never
-waits.
+A gated call that compiles anything is a *flight* of its function until the call returns. Only a call that
+*missed* the cache waits for it: its first frame was compiled by another thread while it waited for
+``compile_lock`` (or found in the cache without it), dynamo's callback raised ``Retry``, and before it
+looks again its gate waits (:func:`await_others`, no lock held) while the flights of the same function
+(same first code object, so per-thread ``torch.compile(module copy)`` counts as one function) compile, and
+for a short while after each of their compiles (``FOLLOW_S`` plus ``FOLLOW_FACTOR`` times the compile
+time, at most ``FOLLOW_MAX_S``): a flight that goes on to compile the graph-break continuations and the
+functions called from compiled code on its way does so in that window, once, and the waiter then finds
+them cached. A call whose guards pass never waits, whatever other threads compile (issue 38: warm calls
+used to wait for any flight of their function), and nobody waits for another thread's *call*: a flight
+that runs user code between its compiles (a barrier, I/O, a collective in a ``torch.compiler.disable``d
+helper) stops holding its waiters after the short window. The wait ends at once when the flight queues
+for ``compile_lock`` behind another function's compile, and lasts at most ``COMPILE_WAIT_MAX_S``. A
+thread that is itself compiling or holds ``compile_lock`` (an export, an FX trace) never waits.
+
+What the window cannot cover: a call whose first frame is already cached runs on without waiting, and if
+it reaches a function called from compiled code that another thread is compiling right now (not a gated
+call or a continuation, which look again), it compiles that frame once more after it, as upstream does:
+dynamo gives its callback no way to look at the cache again for such a frame.
 """
 
 from __future__ import annotations
@@ -23,8 +31,13 @@ from typing import Any, Callable
 from torch_threadsafe_compile import _forksafe
 from torch_threadsafe_compile._torch import holds_compile_lock
 
-FOLLOW_FACTOR = 4.0
-FOLLOW_MAX_S = 10.0
+# After each compile of a flight, its waiters follow it for FOLLOW_S + FOLLOW_FACTOR * (its compile time so
+# far), at most FOLLOW_MAX_S: long enough for the flight to run the graph it just compiled and start the next
+# compile of its call, short enough for a rendezvous between frames (a barrier with a timeout, a collective)
+# to be reached by the waiters in time. Was max(1 s, 4 x compile time) up to 10 s, from the start of any call.
+FOLLOW_S = 0.25
+FOLLOW_FACTOR = 0.5
+FOLLOW_MAX_S = 1.0
 COMPILE_WAIT_MAX_S = 60.0
 
 
@@ -134,22 +147,42 @@ def fly(key: types.CodeType | None, current: Any, compile_fn: Callable[[], Any],
     fl = current.flight
     if fl is None:
         fl = current.flight = takeoff(key)
-    if not lock.acquire(False):
-        fl.queued += 1
-        try:
-            return compile_fn()
-        finally:
-            fl.queued -= 1
-            fl.idle_since = time.monotonic()
-    fl.compiling += 1
-    t1 = time.perf_counter()
+    # The lock is given back by this thread's hold count, not by a flag set after acquire() returns: an
+    # asynchronous exception (KeyboardInterrupt, a signal handler that raises) can arrive between the two,
+    # and must not leave compile_lock held (issue 38). acquire() is inside the try for the same reason.
+    held = hold_count(lock)
+    before = held()
+    compiling = False
+    t1 = 0.0
     try:
+        if not lock.acquire(False):
+            fl.queued += 1
+            try:
+                return compile_fn()
+            finally:
+                fl.queued -= 1
+                fl.idle_since = time.monotonic()
+        t1 = time.perf_counter()
+        fl.compiling += 1
+        compiling = True
         return compile_fn()
     finally:
-        fl.compile_s += time.perf_counter() - t1
-        fl.idle_since = time.monotonic()
-        fl.compiling -= 1
-        lock.release()
+        if compiling:
+            fl.compile_s += time.perf_counter() - t1
+            fl.idle_since = time.monotonic()
+            fl.compiling -= 1
+        while held() > before:
+            lock.release()
+
+
+def hold_count(lock: Any) -> Callable[[], int]:
+    """How many times the calling thread holds ``lock`` (dynamo's compile_lock, a C ``RLock``, or the
+    :class:`~torch_threadsafe_compile._compile_lock.InstrumentedRLock` around it), as a function to call."""
+    inner = getattr(lock, "_inner", lock)
+    count = getattr(inner, "_recursion_count", None)  # C RLock (CPython 3.11+) and Python's _RLock alike
+    if count is None:  # an RLock without one: held once or not at all, as far as we can tell
+        return lambda: 1 if inner._is_owned() else 0
+    return count  # type: ignore[no-any-return]
 
 
 def await_others(key: types.CodeType) -> float:
@@ -170,7 +203,7 @@ def await_others(key: types.CodeType) -> float:
                     return now - t0
                 if fl.compiling:
                     continue
-                if fl.queued or now - fl.idle_since > min(FOLLOW_MAX_S, max(1.0, FOLLOW_FACTOR * fl.compile_s)):
+                if fl.queued or now - fl.idle_since > min(FOLLOW_MAX_S, FOLLOW_S + FOLLOW_FACTOR * fl.compile_s):
                     break
         return time.monotonic() - t0
     finally:
@@ -179,4 +212,4 @@ def await_others(key: types.CodeType) -> float:
 
 # Code objects dynamo must run as they are when a gated call happens inside compiled code.
 HELPER_CODES = (takeoff.__code__, land.__code__, fly.__code__, await_others.__code__, Flight.__init__.__code__,
-                _internal_init.__code__)
+                _internal_init.__code__, hold_count.__code__)

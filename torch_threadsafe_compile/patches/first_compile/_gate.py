@@ -92,12 +92,14 @@ def _gate_factory(compile_wrapper: Callable[..., Any], key: types.CodeType | Non
             ttc_barrier.enter(ttc_inside, ttc_target)
         try:
             while True:
-                if ttc_flights and ttc_key is not None:
-                    ttc_await(ttc_key)
                 try:
                     return ttc_wrapper(*args, **kwargs)
                 except Retry:
-                    pass
+                    # This call missed the cache and another thread compiled what it needed: it waits
+                    # (bounded) for that thread's compiles of the function still under way, then looks again.
+                    # A call whose guards pass never gets here: it never waits (issue 38).
+                    if ttc_flights and ttc_key is not None:
+                        ttc_await(ttc_key)
         finally:
             if ttc_inside is not None:
                 ttc_inside.pop()
