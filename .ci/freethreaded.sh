@@ -71,7 +71,7 @@ stamp "pytest, patch suites (GIL off)"
 PATCH_SUITE=(tests/test_hazards.py tests/test_registry.py tests/test_startup.py tests/test_env.py
              tests/test_first_compile.py tests/test_lazy_backward.py tests/test_do_no_harm.py
              tests/test_same_thread.py tests/test_cudagraph_threads.py tests/test_freethreaded.py
-             tests/test_conformance.py)
+             tests/test_conformance.py tests/test_first_compile_waits.py)
 "$VENV/bin/python" -m pytest -q -p no:cacheprovider -n 2 "${PATCH_SUITE[@]}"
 
 stamp "doctor --selftest (GIL off)"

@@ -1,0 +1,79 @@
+"""H3 patch ``first_compile``: it waits only for what a call needs (issue 38).
+
+The deduplication of compiles must not make anything worse than upstream: a call whose guards pass never
+waits for another thread's compile, and a call that missed waits for the other thread's compiles (and a
+short window after each), never for its whole call. Three shapes, each a scenario of
+``ttc_testing/scenarios.py`` run in fresh interpreters with ``TTC_DISABLE=1`` (upstream) and active; each
+failed with the earlier design (waits for any flight of the function, from the start of every call, up to
+10 s after its last compile):
+
+* warm calls while another thread recompiles the function: 6 % of upstream's rate, longest warm call 1.6 s;
+* a ``threading.Barrier`` with a timeout inside a compiled step: all 8 ranks ``BrokenBarrierError``;
+* blocking I/O between two graphs: cold round 5.0 s against upstream's 3.3 s.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from ttc_testing import scenarios
+
+OFF = {"TTC_DISABLE": "1"}
+ON = {"TTC_DISABLE": "0"}
+
+
+def _upstream(name: str, **kwargs: object) -> dict:
+    off = scenarios.run(name, env=OFF, timeout=180, **kwargs)
+    if off.get("rc", 0) < 0:
+        # torch's CUDA builds on a machine without a GPU: unpatched, compiles beside compiled calls can
+        # segfault (H3, cuda_device_guard), so there is no upstream figure to compare with here.
+        pytest.skip(f"{name}: unpatched torch crashed (signal {-off['rc']}), nothing to compare")
+    return off
+
+
+def _both(name: str, **kwargs: object) -> tuple[dict, dict]:
+    off = _upstream(name, **kwargs)
+    on = scenarios.run(name, env=ON, timeout=180, **kwargs)
+    for label, res in (("TTC_DISABLE=1", off), ("active", on)):
+        assert "timeout" not in res and "rc" not in res and not res.get("errors"), f"{name} {label}: {res}"
+    return off, on
+
+
+def test_h3_warm_calls_run_on_while_another_thread_recompiles() -> None:
+    """7 warm threads and one recompile (float64, 1.5 s compile): warm calls go on at >= 80 % of upstream's
+    rate during it and none waits for it (longest warm call within 2x upstream's, plus 20 ms of scheduling)."""
+
+    def ok(off: dict, on: dict) -> bool:
+        return (on["warm_per_s_during"] >= 0.8 * off["warm_per_s_during"]
+                and on["longest_warm_call_s"] <= 2 * off["longest_warm_call_s"] + 0.02)
+
+    off, on = _both("warm_beside_recompile")
+    if not ok(off, on):  # throughput on a shared machine: one more pair before judging, the better of each
+        off2, on2 = _both("warm_beside_recompile")
+        off = {"warm_per_s_during": max(off["warm_per_s_during"], off2["warm_per_s_during"]),
+               "longest_warm_call_s": max(off["longest_warm_call_s"], off2["longest_warm_call_s"])}
+        on = {"warm_per_s_during": max(on["warm_per_s_during"], on2["warm_per_s_during"]),
+              "longest_warm_call_s": min(on["longest_warm_call_s"], on2["longest_warm_call_s"])}
+    assert ok(off, on), f"upstream {off} / active {on}"
+
+
+def test_h3_a_rendezvous_inside_a_compiled_step_is_not_broken() -> None:
+    """8 ranks, a Barrier(8, timeout=4 s) in a disabled helper between two graphs, the first compile 3 s:
+    no rank sees the barrier broken, upstream or active, and every result is right."""
+    off = _upstream("rendezvous_step")
+    assert off.get("broken") == 0 and off.get("wrong") == 0, f"upstream itself broke the barrier: {off}"
+    for _ in range(2):
+        on = scenarios.run("rendezvous_step", env=ON, timeout=180)
+        assert on.get("broken") == 0 and on.get("wrong") == 0, f"active: {on} (upstream: {off})"
+
+
+def test_h3_blocking_io_in_a_compiled_function_does_not_hold_other_threads() -> None:
+    """8 threads, a 2 s sleep in a disabled helper between two graphs: the cold round is within 1.1x
+    upstream's (the others no longer wait for the first caller's sleep), with one compile per graph."""
+    off, on = _both("blocking_io_step")
+    assert on["graphs"] == 2 and on["uncompiled_frames"] == 0, on
+    if on["cold_round_s"] > 1.1 * off["cold_round_s"]:  # a shared machine: one more pair, the best of each
+        off2, on2 = _both("blocking_io_step")
+        off = {"cold_round_s": min(off["cold_round_s"], off2["cold_round_s"])}
+        on = {"cold_round_s": min(on["cold_round_s"], on2["cold_round_s"])}
+    assert on["cold_round_s"] <= 1.1 * off["cold_round_s"], f"upstream {off} / active {on}"
