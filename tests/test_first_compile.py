@@ -318,3 +318,53 @@ def test_gate_has_the_functions_own_signature_and_forwards_every_argument() -> N
     assert all(res[n]["wrapped"] and res[n]["name"] == n for n in ("plain", "mixed", "attention", "star", "clash")), res
     assert res["values"] == [[10.0, 10.0], [4.0, 4.0], [5.0, 5.0], [4.0, 4.0]], res
     assert len(res["errors"]) == 3 and all(e.startswith("mixed") for e in res["errors"]), res
+
+
+def test_async_exception_after_the_lock_was_taken_leaves_compile_lock_free() -> None:
+    """An asynchronous exception (KeyboardInterrupt, a signal handler that raises) can arrive after
+    ``compile_lock`` was taken and before ``acquire()`` returns: in the first frame's acquire (k=1) or the
+    flight's own re-entrant acquire (k=2). The caller gets the exception; the lock is not left held
+    (another thread takes it at once). Simulated deterministically: a lock whose k-th acquire raises after
+    taking the real lock. Issue 38: the earlier code left it held in both places."""
+    res = _run("""
+import torch._dynamo.convert_frame as cf
+current = cf.compile_lock
+real = getattr(current, "_inner", current)
+
+class AsyncAfterAcquire:
+    def __init__(self, k):
+        self._inner, self.k = real, k
+    def acquire(self, blocking=True, timeout=-1):
+        got = real.acquire(blocking, timeout)
+        self.k -= 1
+        if got and self.k == 0:
+            raise KeyboardInterrupt("arrived after the lock was taken")
+        return got
+    def release(self):
+        real.release()
+    def __enter__(self):
+        return self.acquire()
+    def __exit__(self, *exc):
+        real.release()
+    def _is_owned(self):
+        return real._is_owned()
+
+out = {}
+for k in (1, 2):
+    f = torch.compile(lambda x, k=k: x.sin() * k, backend=aot_eager)
+    cf.compile_lock = AsyncAfterAcquire(k)
+    try:
+        f(torch.ones(3))
+        out[k] = "no exception"
+    except KeyboardInterrupt:
+        got = []
+        t = threading.Thread(target=lambda: got.append(real.acquire(timeout=2) and (real.release() or True)))
+        t.start(); t.join()
+        out[k] = "free" if got == [True] else "held"
+    finally:
+        cf.compile_lock = current
+    while real._is_owned():  # so that the next round starts clean if it was left held
+        real.release()
+print("RESULT " + json.dumps(out))
+""")
+    assert res == {"1": "free", "2": "free"}, res
