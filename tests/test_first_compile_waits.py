@@ -23,19 +23,23 @@ ON = {"TTC_DISABLE": "0"}
 
 
 def _upstream(name: str, **kwargs: object) -> dict:
+    """The baseline: unpatched torch (``TTC_DISABLE=1``). Where unpatched torch crashes or raises by itself
+    (its own races: H3's segfault on CUDA builds without a GPU, H1's false errors on free-threaded builds),
+    there is no upstream figure to compare with; then the package with this one patch left out
+    (``TTC_DISABLE=first_compile``): upstream's first-compile behaviour, the other hazards fixed."""
     off = scenarios.run(name, env=OFF, timeout=180, **kwargs)
-    if off.get("rc", 0) < 0:
-        # torch's CUDA builds on a machine without a GPU: unpatched, compiles beside compiled calls can
-        # segfault (H3, cuda_device_guard), so there is no upstream figure to compare with here.
-        pytest.skip(f"{name}: unpatched torch crashed (signal {-off['rc']}), nothing to compare")
-    return off
+    if off.get("rc", 0) >= 0 and "timeout" not in off and not off.get("errors"):
+        return off
+    alt = scenarios.run(name, env={"TTC_DISABLE": "first_compile"}, timeout=180, **kwargs)
+    if alt.get("rc", 0) < 0 or "timeout" in alt or alt.get("errors"):
+        pytest.skip(f"{name}: no baseline here (unpatched: {off}; first_compile left out: {alt})")
+    return alt
 
 
 def _both(name: str, **kwargs: object) -> tuple[dict, dict]:
     off = _upstream(name, **kwargs)
     on = scenarios.run(name, env=ON, timeout=180, **kwargs)
-    for label, res in (("TTC_DISABLE=1", off), ("active", on)):
-        assert "timeout" not in res and "rc" not in res and not res.get("errors"), f"{name} {label}: {res}"
+    assert "timeout" not in on and "rc" not in on and not on.get("errors"), f"{name} active: {on}"
     return off, on
 
 
@@ -61,10 +65,10 @@ def test_h3_a_rendezvous_inside_a_compiled_step_is_not_broken() -> None:
     """8 ranks, a Barrier(8, timeout=4 s) in a disabled helper between two graphs, the first compile 3 s:
     no rank sees the barrier broken, upstream or active, and every result is right."""
     off = _upstream("rendezvous_step")
-    assert off.get("broken") == 0 and off.get("wrong") == 0, f"upstream itself broke the barrier: {off}"
+    assert off.get("broken") == 0 and off.get("wrong") == 0, f"the baseline itself broke the barrier: {off}"
     for _ in range(2):
         on = scenarios.run("rendezvous_step", env=ON, timeout=180)
-        assert on.get("broken") == 0 and on.get("wrong") == 0, f"active: {on} (upstream: {off})"
+        assert on.get("broken") == 0 and on.get("wrong") == 0 and not on.get("errors"), f"active: {on} (baseline: {off})"
 
 
 def test_h3_blocking_io_in_a_compiled_function_does_not_hold_other_threads() -> None:

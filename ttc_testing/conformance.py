@@ -16,7 +16,7 @@ module some patch waits for, so that every patch that fits this torch applies, a
   new function compiles and runs.
 
 The fork rule also covers the package's own modules outside ``patches/``. Prints one line
-``CONFORMANCE <json>``: ``{"torch", "patches": {id: {"state", "reason", "edits", "problems", "locks"}},
+``CONFORMANCE <json>``: ``{"torch", "patches": {id: {"state", "reason", "edits", "undo", "problems", "locks"}},
 "core": {"locks", "problems"}}``. Only standard library and the package at module level; torch is imported in :func:`main`.
 """
 
@@ -174,11 +174,17 @@ def main() -> int:
     before = states()
     applied = [pid for pid, p in before.items() if p["state"] == "applied"]
     result: dict[str, dict[str, Any]] = {
-        pid: {"state": p["state"], "reason": p.get("reason", ""), "edits": [], "problems": [], "locks": []}
+        pid: {"state": p["state"], "reason": p.get("reason", ""), "edits": [], "undo": 0, "problems": [], "locks": []}
         for pid, p in before.items()}
 
     # 1. Applied: every journaled edit in place, different from its original, not replaced by others.
+    from torch_threadsafe_compile import _lifecycle
     from torch_threadsafe_compile._journal import _holds
+
+    for pid, ps in _lifecycle.states().items():
+        if pid in result and ps.changes is not None:
+            # what revert will undo: the journaled edits and the rest (names injected, a C switch turned, ...)
+            result[pid]["undo"] = len(ps.changes._undo)
 
     edits = _edits_by_patch()
     for pid in applied:

@@ -1522,10 +1522,14 @@ def rendezvous_step(ranks: int = 8, timeout_s: float = 4.0, compile_s: float = 3
                 wrong.append(i)
         except threading.BrokenBarrierError:
             broken.append(f"rank {i}")
+        except Exception as e:  # reported, not raised
+            errors.append(repr(e)[:120])
 
+    errors: list[str] = []
     t0 = time.monotonic()
     _start_join([threading.Thread(target=rank, args=(i,)) for i in range(ranks)])
-    return {"ranks": ranks, "broken": len(broken), "wrong": len(wrong), "first_step_s": round(time.monotonic() - t0, 2)}
+    return {"ranks": ranks, "broken": len(broken), "wrong": len(wrong), "first_step_s": round(time.monotonic() - t0, 2),
+            "errors": errors[:3]}
 
 
 @scenario

@@ -1,0 +1,94 @@
+#!/usr/bin/env python
+"""What a compile in one thread holds up in the others: issue 38's three shapes, unpatched against active.
+
+    python bench/first_compile_waits.py                 # 3 runs of each shape per mode
+    python bench/first_compile_waits.py --runs 10 --md docs/performance.md
+
+Each run is a fresh interpreter (``ttc_testing/scenarios.py``), modes alternating run by run so that the
+machine's drift hits both alike:
+
+* ``warm_beside_recompile``: 7 threads call a compiled function whose graph fits their inputs while an 8th
+  recompiles it (float64, 1.5 s compile): warm calls per second during the recompile, the longest warm call;
+* ``rendezvous_step``: 8 ranks, a ``threading.Barrier(8, timeout=4)`` in a ``torch.compiler.disable``d
+  helper between two graphs, first compile 3 s: ranks that saw the barrier broken;
+* ``blocking_io_step``: 8 threads, a 2 s sleep in a disabled helper between two graphs: the cold round and
+  the graphs compiled.
+
+The markdown table goes between ``<!-- first-compile-waits:begin -->`` and ``<!-- ...:end -->`` of ``--md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ttc_testing import scenarios  # noqa: E402 - the repository root first
+
+MODES = {"TTC_DISABLE=1": {"TTC_DISABLE": "1"}, "active": {"TTC_DISABLE": "0"}}
+SHAPES = {
+    "warm_beside_recompile": ("warm_per_s_during", "longest_warm_call_s", "warm_per_s_before"),
+    "rendezvous_step": ("broken", "wrong", "first_step_s"),
+    "blocking_io_step": ("cold_round_s", "graphs", "uncompiled_frames"),
+}
+BEGIN, END = "<!-- first-compile-waits:begin -->", "<!-- first-compile-waits:end -->"
+
+
+def measure(runs: int) -> dict[str, dict[str, list[dict]]]:
+    out: dict[str, dict[str, list[dict]]] = {s: {m: [] for m in MODES} for s in SHAPES}
+    for shape in SHAPES:
+        for k in range(runs):
+            order = list(MODES) if k % 2 == 0 else list(MODES)[::-1]
+            for mode in order:
+                res = scenarios.run(shape, env=MODES[mode], timeout=300)
+                out[shape][mode].append(res)
+                print(f"{shape} [{mode}] run {k + 1}: {res}", file=sys.stderr, flush=True)
+    return out
+
+
+def _cell(values: list, fmt: str = "{:.3g}") -> str:
+    nums = [v for v in values if isinstance(v, (int, float))]
+    if not nums:
+        return "–"
+    if len(set(nums)) == 1:
+        return fmt.format(nums[0])
+    return f"{fmt.format(statistics.median(nums))} ({fmt.format(min(nums))}–{fmt.format(max(nums))})"
+
+
+def render(out: dict[str, dict[str, list[dict]]], runs: int, command: str) -> str:
+    lines = [f"`{command}` ({runs} runs per shape and mode, fresh interpreters, modes alternating; "
+             f"median (min–max); {time.strftime('%Y-%m-%d')})", ""]
+    for shape, keys in SHAPES.items():
+        lines += [f"**{shape}**", "", "| mode | " + " | ".join(keys) + " | errors or crashes |",
+                  "|---|" + "---|" * (len(keys) + 1)]
+        for mode, results in out[shape].items():
+            bad = sum(1 for r in results if r.get("errors") or "rc" in r or "timeout" in r)
+            lines.append(f"| {mode} | " + " | ".join(_cell([r.get(k) for r in results]) for k in keys) + f" | {bad} of {len(results)} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--runs", type=int, default=3, help="runs of each shape per mode (default 3)")
+    ap.add_argument("--md", type=Path, help="write the table between the markers in this markdown file")
+    args = ap.parse_args(argv)
+    command = "python bench/first_compile_waits.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    table = render(measure(max(1, args.runs)), args.runs, command.strip())
+    print(table)
+    if args.md:
+        text = args.md.read_text(encoding="utf-8")
+        if BEGIN not in text or END not in text:
+            print(f"{args.md}: no {BEGIN} … {END} markers; table not written", file=sys.stderr)
+            return 2
+        head, rest = text.split(BEGIN, 1)
+        args.md.write_text(head + BEGIN + "\n" + table + "\n" + END + rest.split(END, 1)[1], encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
