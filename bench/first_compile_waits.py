@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ttc_testing import scenarios  # noqa: E402 - the repository root first
+from ttc_testing import scenarios
 
 MODES = {"TTC_DISABLE=1": {"TTC_DISABLE": "1"}, "active": {"TTC_DISABLE": "0"}}
 SHAPES = {
