@@ -907,10 +907,12 @@ def backward_resets(seconds: float = 20.0, threads: int = 8, reset_every: float 
 
 
 @scenario
-def concurrent_exports(seconds: float = 5.0, threads: int = 2) -> dict[str, Any]:
-    """H7: ``threads`` threads run ``torch.export.export`` in a loop. Upstream keeps an export's module
-    hierarchy and flags in module globals of ``torch.export._trace`` that each export sets at its start and
-    clears at its end, so another thread's export fails (``_EXPORT_MODULE_HIERARCHY must not be None``)."""
+def concurrent_exports(seconds: float = 5.0, threads: int = 2, min_each: int = 0, cap_s: float = 90.0) -> dict[str, Any]:
+    """H7: ``threads`` threads run ``torch.export.export`` in a loop for ``seconds`` (and on, up to ``cap_s``,
+    until each has exported ``min_each`` times: a count, not a rate, for a loaded machine). Upstream keeps an
+    export's module hierarchy and flags in module globals of ``torch.export._trace`` that each export sets at
+    its start and clears at its end, so another thread's export fails (``_EXPORT_MODULE_HIERARCHY must not be
+    None``)."""
     import torch
     import torch.export
 
@@ -924,23 +926,26 @@ def concurrent_exports(seconds: float = 5.0, threads: int = 2) -> dict[str, Any]
 
     stop = threading.Event()
     counts = {"exports": 0, "errors": 0, "wrong": 0}
+    per_thread = [0] * threads
     first_error: list[str] = []
+    cap = time.monotonic() + cap_s
 
-    def exporter() -> None:
+    def exporter(i: int) -> None:
         m = M()
         x = torch.randn(2, 4)
-        while not stop.is_set():
+        while (not stop.is_set() or per_thread[i] < min_each) and time.monotonic() < cap:
             try:
                 ep = torch.export.export(m, (x,))
                 if not torch.allclose(ep.module()(x), m(x)):
                     counts["wrong"] += 1
                 counts["exports"] += 1
+                per_thread[i] += 1
             except Exception as e:
                 counts["errors"] += 1
                 first_error[:] = first_error or [f"{type(e).__name__}: {str(e)[:160]}"]
 
-    _run_for([threading.Thread(target=exporter) for _ in range(threads)], seconds, stop)
-    return dict(counts, first_error=first_error[0] if first_error else "")
+    _run_for([threading.Thread(target=exporter, args=(i,)) for i in range(threads)], seconds, stop)
+    return dict(counts, per_thread=per_thread, first_error=first_error[0] if first_error else "")
 
 
 @scenario
