@@ -38,9 +38,9 @@ SHAPES = {
 BEGIN, END = "<!-- first-compile-waits:begin -->", "<!-- first-compile-waits:end -->"
 
 
-def measure(runs: int) -> dict[str, dict[str, list[dict]]]:
-    out: dict[str, dict[str, list[dict]]] = {s: {m: [] for m in MODES} for s in SHAPES}
-    for shape in SHAPES:
+def measure(runs: int, shapes: list[str]) -> dict[str, dict[str, list[dict]]]:
+    out: dict[str, dict[str, list[dict]]] = {s: {m: [] for m in MODES} for s in shapes}
+    for shape in shapes:
         for k in range(runs):
             order = list(MODES) if k % 2 == 0 else list(MODES)[::-1]
             for mode in order:
@@ -50,19 +50,24 @@ def measure(runs: int) -> dict[str, dict[str, list[dict]]]:
     return out
 
 
-def _cell(values: list, fmt: str = "{:.3g}") -> str:
+def _num(v: float) -> str:
+    return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.3g}"
+
+
+def _cell(values: list) -> str:
     nums = [v for v in values if isinstance(v, (int, float))]
     if not nums:
         return "–"
     if len(set(nums)) == 1:
-        return fmt.format(nums[0])
-    return f"{fmt.format(statistics.median(nums))} ({fmt.format(min(nums))}–{fmt.format(max(nums))})"
+        return _num(nums[0])
+    return f"{_num(statistics.median(nums))} ({_num(min(nums))}–{_num(max(nums))})"
 
 
 def render(out: dict[str, dict[str, list[dict]]], runs: int, command: str) -> str:
     lines = [f"`{command}` ({runs} runs per shape and mode, fresh interpreters, modes alternating; "
              f"median (min–max); {time.strftime('%Y-%m-%d')})", ""]
-    for shape, keys in SHAPES.items():
+    for shape in out:
+        keys = SHAPES[shape]
         lines += [f"**{shape}**", "", "| mode | " + " | ".join(keys) + " | errors or crashes |",
                   "|---|" + "---|" * (len(keys) + 1)]
         for mode, results in out[shape].items():
@@ -75,10 +80,15 @@ def render(out: dict[str, dict[str, list[dict]]], runs: int, command: str) -> st
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=3, help="runs of each shape per mode (default 3)")
+    ap.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated subset (default: all three)")
     ap.add_argument("--md", type=Path, help="write the table between the markers in this markdown file")
     args = ap.parse_args(argv)
     command = "python bench/first_compile_waits.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    table = render(measure(max(1, args.runs)), args.runs, command.strip())
+    shapes = [s for s in args.shapes.split(",") if s]
+    unknown = set(shapes) - set(SHAPES)
+    if unknown:
+        ap.error(f"unknown shape(s): {sorted(unknown)}")
+    table = render(measure(max(1, args.runs), shapes), args.runs, command.strip())
     print(table)
     if args.md:
         text = args.md.read_text(encoding="utf-8")
