@@ -78,21 +78,20 @@ def _patch_modules(patch_id: str) -> list[types.ModuleType]:
     return mods
 
 
+def _locks_in(modules: list[types.ModuleType]) -> list[tuple[types.ModuleType, str]]:
+    """(module, name) of every lock bound at module level in ``modules``."""
+    return [(m, name) for m in modules for name, value in sorted(vars(m).items()) if isinstance(value, LOCK_TYPES)]
+
+
 def _module_locks(patch_id: str) -> list[tuple[types.ModuleType, str]]:
-    return [(m, name) for m in _patch_modules(patch_id) for name, value in sorted(vars(m).items())
-            if isinstance(value, LOCK_TYPES)]
+    return _locks_in(_patch_modules(patch_id))
 
 
 def _core_locks() -> list[tuple[types.ModuleType, str]]:
     import torch_threadsafe_compile as pkg
 
-    out = []
-    for info in pkgutil.iter_modules(pkg.__path__):
-        if info.name in ("patches", "__main__"):
-            continue
-        m = importlib.import_module(f"{pkg.__name__}.{info.name}")
-        out += [(m, name) for name, value in sorted(vars(m).items()) if isinstance(value, LOCK_TYPES)]
-    return out
+    return _locks_in([importlib.import_module(f"{pkg.__name__}.{info.name}")
+                      for info in pkgutil.iter_modules(pkg.__path__) if info.name not in ("patches", "__main__")])
 
 
 def _fork_while_held(module: types.ModuleType, name: str) -> str | None:
