@@ -65,3 +65,44 @@ def test_upstream_parallel_subset_active_no_crash_no_active_only_failure(tmp_pat
         active_only = {nid: msg for nid, msg in active_only.items() if nid in repeated}
     listed = [f"{nid}: {msg}" for nid, msg in active_only.items()]
     assert not listed, "tests failing only with the package active, twice:\n" + "\n".join(listed) + "\n\n" + report
+
+
+def test_thread_plan_sees_listed_classes_imported_by_name() -> None:
+    """The bench's thread plan runs in one thread a test whose own code uses a listed object through a bare
+    global name, classes included (pytest-run-parallel 0.10 resolves bare names of functions only: a test's
+    ``with profile(...)`` ran in 4 threads and died in the profiler), and is not fooled by an attribute of
+    the same name (``config.patch`` is not ``unittest.mock.patch``)."""
+    import sys
+    import types
+    import unittest.mock
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench" / "pytest_plugins"))
+    try:
+        import ttc_parallel_plan as plan
+    finally:
+        sys.path.pop(0)
+
+    class Profile:  # stands in for torch.profiler.profile (a class)
+        def __enter__(self) -> "Profile":
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            return None
+
+    listed_mod = types.ModuleType("listed_for_test")
+    listed_mod.profile = Profile  # type: ignore[attr-defined]
+    sys.modules["listed_for_test"] = listed_mod
+    listed = frozenset({("listed_for_test", "profile"), ("unittest.mock", "patch")})
+    glb = {"profile": Profile, "patch": unittest.mock.patch, "config": types.SimpleNamespace(patch=lambda *a: None)}
+    src = (
+        "def uses_class():\n    with profile():\n        pass\n"
+        "def nested():\n    def inner():\n        return patch.object\n    return inner\n"
+        "def attribute_only():\n    config.patch('x')\n"
+    )
+    try:
+        exec(compile(src, "<test>", "exec"), glb)  # noqa: S102 - the functions' globals are the point
+        assert plan._listed_object_used(glb["uses_class"], listed) == "listed_for_test.profile"
+        assert plan._listed_object_used(glb["nested"], listed) == "unittest.mock.patch"
+        assert plan._listed_object_used(glb["attribute_only"], listed) is None
+    finally:
+        del sys.modules["listed_for_test"]

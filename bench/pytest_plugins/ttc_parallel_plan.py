@@ -20,6 +20,7 @@ judged too, with the same settings.
 
 from __future__ import annotations
 
+import dis
 import inspect
 import json
 import os
@@ -67,14 +68,51 @@ def _judge_own_function_too(plugin: Any) -> None:
         if unsafe:
             return unsafe, reason
         own = inspect.unwrap(getattr(item, "obj", None))
-        if own is None or own is item.obj:
+        if own is None:
             return unsafe, reason
-        unsafe, reason = identify_thread_unsafe_nodes(
-            own, self.skipped_functions, self.mark_warnings_as_unsafe, self.mark_ctypes_as_unsafe,
-            self.mark_hypothesis_as_unsafe)
-        return unsafe, reason and f"{reason} (in the test's own function)"
+        if own is not item.obj:
+            unsafe, reason = identify_thread_unsafe_nodes(
+                own, self.skipped_functions, self.mark_warnings_as_unsafe, self.mark_ctypes_as_unsafe,
+                self.mark_hypothesis_as_unsafe)
+            if unsafe:
+                return unsafe, reason and f"{reason} (in the test's own function)"
+        name = _listed_object_used(own, self.skipped_functions)
+        if name:
+            return True, f"uses thread-unsafe {name} (imported by name; in the test's own function)"
+        return unsafe, reason
 
     plugin._is_thread_unsafe = types.MethodType(_is_thread_unsafe, plugin)
+
+
+def _listed_object_used(fn: Any, listed: frozenset[tuple[str, str]]) -> str | None:
+    """The listed entry (``module.name`` of ``thread_unsafe_functions``) that ``fn``'s code reaches through one
+    of its global names, or None. pytest-run-parallel 0.10 resolves a bare name (``profile(...)`` after ``from
+    torch.profiler import profile``) only when it is bound to a *function*: a class such as
+    ``torch.profiler.profile`` slipped through (``test_aot_autograd.py::test_eager_sequence_nr`` ran its
+    profiler in 4 threads and died of SIGSEGV in ``profiler.py __exit__``). Matched by identity with the
+    listed object, which is looked up only in modules already imported (judging imports nothing)."""
+    import sys
+
+    wanted: dict[int, str] = {}
+    for mod, attr in listed:  # the plugin's (module, name) pairs
+        obj = getattr(sys.modules.get(mod), attr, None)
+        if obj is not None:
+            wanted[id(obj)] = f"{mod}.{attr}"
+    code = getattr(fn, "__code__", None)
+    glb = getattr(fn, "__globals__", None)
+    if code is None or not isinstance(glb, dict) or not wanted:
+        return None
+    stack = [code]
+    while stack:
+        c = stack.pop()
+        # Global loads only: co_names also holds attribute names (``config.patch`` is not ``mock.patch``).
+        for ins in dis.get_instructions(c):
+            if ins.opname in ("LOAD_GLOBAL", "LOAD_NAME") and ins.argval in glb:
+                hit = wanted.get(id(glb[ins.argval]))
+                if hit:
+                    return hit
+        stack.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
+    return None
 
 
 @pytest.hookimpl(trylast=True)
