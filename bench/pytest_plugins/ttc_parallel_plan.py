@@ -6,8 +6,9 @@ some of torch's entry points are transparent wrappers (``functools.wraps``) whos
 so the same test can be judged thread-unsafe with ``TTC_DISABLE=1`` (one thread) and safe when active (N
 threads): the two modes would not run the same thing. The bench therefore decides once, in collection passes
 (``BENCH_PARALLEL_PLAN_MODE=write``: the plugin's verdicts go to the JSON file ``BENCH_PARALLEL_PLAN``) with
-``TTC_DISABLE=1`` and, for the default union plan, active too; both runs read the merged plan (``read``). Loaded with ``-p ttc_parallel_plan``;
-written for pytest-run-parallel 0.10 (``_run-parallel`` plugin, ``_is_thread_unsafe``, ``thread_unsafe``).
+``TTC_DISABLE=1`` and, for the default union plan, active too; both runs read the merged plan (``read``).
+Loaded with ``-p ttc_parallel_plan``; written for pytest-run-parallel 0.10 (``_run-parallel`` plugin,
+``_is_thread_unsafe``, ``thread_unsafe``).
 
 The collection pass also reads the test's own function. torch's ``TestCase.__init__`` replaces each test
 method by a ``functools.wraps`` wrapper defined in ``torch.testing._internal.common_utils``, and the plugin
@@ -15,7 +16,9 @@ resolves names through the wrapper's globals: a test module's ``from unittest.mo
 among them, so ``with patch("...config.e_bool", False)`` in 4 threads passed as thread-safe (one thread's
 ``mock`` exit deletes the attribute, which hides it from every thread of the process: ``ConfigModule``'s
 ``hide`` flag is process-global). When the wrapper is judged safe, the function under ``__wrapped__`` is
-judged too, with the same settings.
+judged too, with the same settings. And a listed object that the test's own code reaches through a bare
+global name counts whatever its type: the plugin resolves bare names of functions only, so ``with
+profile(...)`` (``torch.profiler.profile``, a class) ran in N threads.
 """
 
 from __future__ import annotations
