@@ -192,6 +192,112 @@ def export_unflatten_compile(threads: int = 4, rounds: int = 3, backend: str = "
             "seconds": round(time.monotonic() - t0, 1)}
 
 
+@scenario
+def precompile_entries_shared_code(threads: int = 4, rounds: int = 20) -> dict[str, Any]:
+    """Not a package hazard: upstream's own race, in both modes (docs/upstream-tests.md, the union plan). The
+    body of ``dynamo/test_misc.py::test_fail_on_recompile_error_message`` in ``threads`` threads at once,
+    ``rounds`` times: each thread loads a precompile entry into the *same* code object (``fn`` is defined in
+    the body, but its code object is a constant shared by every call) with the private
+    ``torch._C._dynamo.eval_frame._load_precompile_entry``, calls the compiled function under
+    ``set_stance("fail_on_recompile")``, and resets that code object's precompile entries, which frees the entry
+    another thread's C frame evaluation is reading (``SIGSEGV`` in ``compile_wrapper``)."""
+    import torch
+    from torch._C._dynamo.eval_frame import _load_precompile_entry, _reset_precompile_entries
+
+    errors: dict[str, int] = {}
+    lock = threading.Lock()
+
+    def body() -> None:
+        def fn(x: Any) -> Any:
+            return x + 1
+
+        gm = torch._dynamo.guards.RootGuardManager()
+        gm.add_lambda_guard(lambda L: isinstance(L["x"], bool), ["isinstance(L['x'], bool)"], None)
+
+        def injected_bool(x: bool) -> Any:
+            return x + 102
+
+        compiled = torch.compile(fn, backend="eager")
+        _load_precompile_entry(fn.__code__, torch._dynamo.guards.GuardManagerWrapper(gm), injected_bool.__code__)
+        try:
+            with torch.compiler.set_stance("fail_on_recompile"):
+                compiled(torch.randn(3, 2))
+        except RuntimeError as e:
+            if "Failed on the following precompiled guards" not in str(e):
+                raise
+        finally:
+            _reset_precompile_entries(fn.__code__)
+
+    def worker(barrier: threading.Barrier) -> None:
+        barrier.wait()
+        try:
+            body()
+        except Exception as e:  # counted: the question is whether the process survives
+            key = f"{type(e).__name__}: {str(e)[:80]}"
+            with lock:
+                errors[key] = errors.get(key, 0) + 1
+
+    for _ in range(rounds):
+        barrier = threading.Barrier(threads)
+        ts = [threading.Thread(target=worker, args=(barrier,)) for _ in range(threads)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        gc.collect()
+    return {"rounds": rounds, "errors": sum(errors.values()), "kinds": list(errors)[:3]}
+
+
+@scenario
+def captured_traceback_free_deadlock(threads: int = 4, seconds: float = 5.0) -> dict[str, Any]:
+    """Not a package hazard: a deadlock in torch itself, in both modes (the hang of ``dynamo/test_repros.py`` and
+    ``dynamo/test_aot_autograd.py`` at 4 threads; docs/upstream-tests.md). torch's ``CapturedTraceback`` keeps
+    its frames' code objects and frees them in ``freeDeadCapturedTracebackFrames`` while it holds its
+    ``to_free_frames_mutex``. When such a decref is a code object's last, the code object's weakref callbacks
+    run (dynamo keeps Python ones on code objects: ``ExactWeakKeyDictionary``), Python code that may hand the
+    GIL to another thread; if that thread then gathers or frees a traceback (``PythonTraceback::gather`` or
+    ``release``), it waits for the mutex while holding the GIL, and neither moves again. Here each thread makes
+    fresh functions (code objects with a Python weakref callback), captures a traceback inside one and drops both.
+    A hang leaves no result: :func:`run` reports ``timed_out``."""
+    import weakref
+
+    from torch.utils._traceback import CapturedTraceback
+
+    sys.setswitchinterval(1e-5)  # hand the GIL over often, so the window is hit within seconds
+    alive: dict[int, Any] = {}
+    counts = {"tracebacks": 0, "callbacks": 0}
+
+    def callback(ref: Any) -> None:  # a little Python, like dynamo's _remove_id
+        alive.pop(id(ref), None)
+        counts["callbacks"] += 1
+
+    def one(i: int) -> None:
+        ns: dict[str, Any] = {}
+        exec(compile(f"def f{i}():\n    return CapturedTraceback.extract()\n", f"<gen{i}>", "exec"),  # noqa: S102
+             {"CapturedTraceback": CapturedTraceback}, ns)
+        f = ns.pop(f"f{i}")
+        ref = weakref.ref(f.__code__, callback)
+        alive[id(ref)] = ref
+        tb = f()
+        del f, tb  # the traceback holds the code object's last reference: freed under torch's mutex
+        counts["tracebacks"] += 1
+
+    stop = time.monotonic() + seconds
+
+    def loop(k: int) -> None:
+        i = k * 10**9
+        while time.monotonic() < stop:
+            one(i)
+            i += 1
+
+    ts = [threading.Thread(target=loop, args=(k,), daemon=True) for k in range(threads)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    return dict(counts)
+
+
 def run(name: str, env: dict[str, str] | None = None, timeout: float = 120, **kwargs: Any) -> dict[str, Any]:
     """Run scenario ``name`` in a fresh interpreter with faulthandler on. Returns its JSON result, or
     ``{"crashed": True, "signal": NAME, "frames": [...]}`` when it died of a signal."""
