@@ -212,7 +212,7 @@ def precompile_entries_shared_code(threads: int = 4, rounds: int = 20) -> dict[s
             return x + 1
 
         gm = torch._dynamo.guards.RootGuardManager()
-        gm.add_lambda_guard(lambda L: isinstance(L["x"], bool), ["isinstance(L['x'], bool)"], None)
+        gm.add_lambda_guard(lambda f_locals: isinstance(f_locals["x"], bool), ["isinstance(L['x'], bool)"], None)
 
         def injected_bool(x: bool) -> Any:
             return x + 102
@@ -273,7 +273,7 @@ def captured_traceback_free_deadlock(threads: int = 4, seconds: float = 5.0) -> 
 
     def one(i: int) -> None:
         ns: dict[str, Any] = {}
-        exec(compile(f"def f{i}():\n    return CapturedTraceback.extract()\n", f"<gen{i}>", "exec"),  # noqa: S102
+        exec(compile(f"def f{i}():\n    return CapturedTraceback.extract()\n", f"<gen{i}>", "exec"),
              {"CapturedTraceback": CapturedTraceback}, ns)
         f = ns.pop(f"f{i}")
         ref = weakref.ref(f.__code__, callback)
