@@ -17,7 +17,9 @@ import pytest
 
 from test_upstream_subset import OWN_FILES, SHARED, _run_script
 
-SHARED_FILES = ["fx/test_fx_traceback_tls.py", "dynamo/test_skip_guard_eval_unsafe.py"]
+# fx/test_fx_split.py: one of the files added to the shared corpus later (2 of its 3 tests fail at 4 threads
+# unpatched, none active: docs/upstream-tests.md, the union plan).
+SHARED_FILES = ["fx/test_fx_traceback_tls.py", "dynamo/test_skip_guard_eval_unsafe.py", "fx/test_fx_split.py"]
 THREADS = 4
 FILE_TIMEOUT_S = 240
 
