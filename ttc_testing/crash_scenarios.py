@@ -28,6 +28,26 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 __all__ = ["run"]
 
 
+class _Errors:
+    """Exceptions of a scenario's threads, counted by kind (type and first 80 characters of the message): the
+    question these scenarios ask is whether the process survives, so an error is counted, not raised."""
+
+    def __init__(self) -> None:
+        self.by_kind: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def add(self, e: BaseException) -> None:
+        key = f"{type(e).__name__}: {str(e)[:80]}"
+        with self._lock:
+            self.by_kind[key] = self.by_kind.get(key, 0) + 1
+
+    def total(self) -> int:
+        return sum(self.by_kind.values())
+
+    def kinds(self) -> list[str]:
+        return list(self.by_kind)[:3]
+
+
 def _make_instance(k: float) -> Any:
     """An instance of a class made at run time: dynamo guards its type by identity (``TYPE_MATCH`` keeps a
     ``weakref.finalize`` on the class), and the class dies only when the garbage collector finds its cycle —
@@ -56,7 +76,7 @@ def guard_invalidation_race(threads: int = 4, seconds: float = 6.0, backend: str
     opt = torch.compile(fn, backend=backend)
     stop = threading.Event()
     calls = [0] * threads
-    errors: dict[str, int] = {}
+    errors = _Errors()
 
     def worker(i: int) -> None:
         x = torch.randn(4)
@@ -65,15 +85,13 @@ def guard_invalidation_race(threads: int = 4, seconds: float = 6.0, backend: str
                 opt(x, _make_instance(float(i)).f)
                 calls[i] += 1
             except Exception as e:  # counted: the question is whether the process survives
-                key = f"{type(e).__name__}: {str(e)[:80]}"
-                errors[key] = errors.get(key, 0) + 1
+                errors.add(e)
             if calls[i] % 3 == 0:
                 gc.collect()
 
     _run_for([threading.Thread(target=worker, args=(i,)) for i in range(threads)], seconds, stop)
     entries = torch._C._dynamo.eval_frame._debug_get_cache_entry_list(fn.__code__)
-    return {"calls": sum(calls), "errors": sum(errors.values()), "kinds": list(errors)[:3],
-            "entries": len(entries)}
+    return {"calls": sum(calls), "errors": errors.total(), "kinds": errors.kinds(), "entries": len(entries)}
 
 
 @scenario
@@ -91,7 +109,7 @@ def export_beside_calls(exporters: int = 2, callers: int = 2, seconds: float = 6
     torch.compile(f, backend=backend)(x0)
     stop = threading.Event()
     counts = {"exports": 0, "calls": 0}
-    errors: dict[str, int] = {}
+    errors = _Errors()
 
     def loop(kind: str) -> None:
         x = torch.randn(3)
@@ -104,8 +122,7 @@ def export_beside_calls(exporters: int = 2, callers: int = 2, seconds: float = 6
                     opt(x)
                 counts[kind] += 1
             except Exception as e:  # counted: the question is whether the process survives
-                key = f"{type(e).__name__}: {str(e)[:80]}"
-                errors[key] = errors.get(key, 0) + 1
+                errors.add(e)
 
     ts = [threading.Thread(target=loop, args=("exports",)) for _ in range(exporters)]
     ts += [threading.Thread(target=loop, args=("calls",)) for _ in range(callers)]
@@ -115,7 +132,7 @@ def export_beside_calls(exporters: int = 2, callers: int = 2, seconds: float = 6
     stop.set()
     for t in ts:
         t.join()
-    return {**counts, "errors": sum(errors.values()), "kinds": list(errors)[:3], "by_kind": dict(list(errors.items())[:20])}
+    return {**counts, "errors": errors.total(), "kinds": errors.kinds(), "by_kind": dict(list(errors.by_kind.items())[:20])}
 
 
 def _inductor(gm: Any, example_inputs: Any) -> Any:
@@ -168,7 +185,7 @@ def export_unflatten_compile(threads: int = 4, rounds: int = 3, backend: str = "
 
     chosen: Any = _inductor if backend == "inductor" else backend
     counts = {"done": 0}
-    errors: dict[str, int] = {}
+    errors = _Errors()
     lock = threading.Lock()
 
     def worker() -> None:
@@ -178,9 +195,7 @@ def export_unflatten_compile(threads: int = 4, rounds: int = 3, backend: str = "
                 with lock:
                     counts["done"] += 1
             except Exception as e:  # counted: the question is whether the process survives
-                key = f"{type(e).__name__}: {str(e)[:80]}"
-                with lock:
-                    errors[key] = errors.get(key, 0) + 1
+                errors.add(e)
 
     t0 = time.monotonic()
     ts = [threading.Thread(target=worker) for _ in range(threads)]
@@ -188,7 +203,7 @@ def export_unflatten_compile(threads: int = 4, rounds: int = 3, backend: str = "
         t.start()
     for t in ts:
         t.join()
-    return {**counts, "errors": sum(errors.values()), "kinds": list(errors)[:3],
+    return {**counts, "errors": errors.total(), "kinds": errors.kinds(),
             "seconds": round(time.monotonic() - t0, 1)}
 
 
@@ -204,8 +219,7 @@ def precompile_entries_shared_code(threads: int = 4, rounds: int = 20) -> dict[s
     import torch
     from torch._C._dynamo.eval_frame import _load_precompile_entry, _reset_precompile_entries
 
-    errors: dict[str, int] = {}
-    lock = threading.Lock()
+    errors = _Errors()
 
     def body() -> None:
         def fn(x: Any) -> Any:
@@ -233,9 +247,7 @@ def precompile_entries_shared_code(threads: int = 4, rounds: int = 20) -> dict[s
         try:
             body()
         except Exception as e:  # counted: the question is whether the process survives
-            key = f"{type(e).__name__}: {str(e)[:80]}"
-            with lock:
-                errors[key] = errors.get(key, 0) + 1
+            errors.add(e)
 
     for _ in range(rounds):
         barrier = threading.Barrier(threads)
@@ -245,7 +257,7 @@ def precompile_entries_shared_code(threads: int = 4, rounds: int = 20) -> dict[s
         for t in ts:
             t.join()
         gc.collect()
-    return {"rounds": rounds, "errors": sum(errors.values()), "kinds": list(errors)[:3]}
+    return {"rounds": rounds, "errors": errors.total(), "kinds": errors.kinds()}
 
 
 @scenario

@@ -27,6 +27,7 @@ import dis
 import inspect
 import json
 import os
+import sys
 import types
 from typing import Any
 
@@ -94,8 +95,6 @@ def _listed_object_used(fn: Any, listed: frozenset[tuple[str, str]]) -> str | No
     ``torch.profiler.profile`` slipped through (``test_aot_autograd.py::test_eager_sequence_nr`` ran its
     profiler in 4 threads and died of SIGSEGV in ``profiler.py __exit__``). Matched by identity with the
     listed object, which is looked up only in modules already imported (judging imports nothing)."""
-    import sys
-
     wanted: dict[int, str] = {}
     for mod, attr in listed:  # the plugin's (module, name) pairs
         obj = getattr(sys.modules.get(mod), attr, None)
