@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import checkpoint, cli, flops, masks, metrics, models, runtime
+from . import checkpoint, cli, flops, masks, metrics, models, runtime, stats
 from . import data as data_mod
 from .config import Config
 from .runtime import Lane, PhaseTimer, Reducer, Run
@@ -225,12 +225,12 @@ def mean_attended_keys(data: data_mod.Data, batches: int = 2) -> float:
     return total / count
 
 
-def clip_gradients(total: torch.Tensor, n_grad: int, max_norm: float) -> None:
-    """After the gradient average (``Reducer``), on its result: the norm of the gradient part goes into the last
-    slot, and the gradients are scaled down to ``max_norm`` (``--grad-clip``; 0: not clipped)."""
-    g = total[:n_grad]
+def clip_gradients(total: torch.Tensor, layout: stats.Layout, max_norm: float) -> None:
+    """After the gradient average (``Reducer``), on its result: the norm of the gradients is the step's
+    ``grad_norm``, and the gradients are scaled down to ``max_norm`` (``--grad-clip``; 0: not clipped)."""
+    g = layout.grads(total)
     norm = g.norm()
-    total[-1] = norm
+    layout.field(total, "grad_norm").copy_(norm)
     if max_norm > 0:
         g.mul_(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
 
@@ -306,7 +306,7 @@ def setup(cfg: Config) -> Setup:
         evalset = EvalSet.build(cfg, data, targets.on(d_dev[0]), d_dev[0])
 
     run = Run(cfg, rank=rank, world=world)
-    clip = functools.partial(clip_gradients, n_grad=replicas[0].n_grad, max_norm=cfg.grad_clip)
+    clip = functools.partial(clip_gradients, layout=replicas[0].layout, max_norm=cfg.grad_clip)
     run.reducer = Reducer(len(replicas), cfg.drafter_threads, world, clip, graph=bool(cfg.step_graphs))
     return Setup(cfg=cfg, rank=rank, world=world, devices=devices, t_dev=t_dev, d_dev=d_dev, out=out, log=log,
                  data=data, target=targets.first, target_fns=target_fns, dcfg=dcfg, replicas=replicas,

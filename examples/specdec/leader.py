@@ -22,7 +22,7 @@ class Leader:
     def __init__(self, setup: Setup) -> None:
         self.setup, self.cfg = setup, setup.cfg
         self.replica = setup.replicas[0]
-        self.n_grad = self.replica.n_grad
+        self.layout = self.replica.layout
         self.stats_log = StatsLog(self.replica.lane, self.cfg.pin_memory)
         # summary.json starts with these (loss_first and loss_last follow once logged); see report.finish
         self.summary: dict[str, Any] = {"tau_initial": None, "tau_final": None}
@@ -78,8 +78,8 @@ class Leader:
         elapsed = time.monotonic() - run.throughput.start
         if step == setup.start_step + 1:
             self.note(f"first step done after {elapsed:.1f} s" + ("" if cfg.no_compile else " (compiles included)"))
-        self.stats_log.push(step, self.replica.flat[self.n_grad:], {"lr": lr_at(cfg, step - 1),
-                                                                    "elapsed_s": round(elapsed, 2)})
+        self.stats_log.push(step, self.layout.stats(self.replica.flat), {"lr": lr_at(cfg, step - 1),
+                                                                         "elapsed_s": round(elapsed, 2)})
         taus: dict[int, Any] = {}
         eval_due = setup.evalset is not None and ((cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps)
         save_due = setup.out is not None and not cfg.no_checkpoint and (
@@ -96,14 +96,12 @@ class Leader:
 
     def write_records(self, items: list[tuple[int, list[float], dict[str, Any]]], taus: dict[int, Any]) -> None:
         """Steps' statistics, once copied off the device: metrics log, progress line, first and last loss."""
-        k = self.cfg.ttt_steps
         for step, vals, extra in items:
-            loss, acc, gnorm = vals[0], vals[1:1 + k], vals[-1]
-            self.summary.setdefault("loss_first", loss)
-            self.summary["loss_last"] = loss
-            self.setup.log.write({"kind": "train", "step": step, "loss": round(loss, 6),
-                                  "acc": [round(a, 4) for a in acc], "grad_norm": round(gnorm, 4), **extra})
-            info: dict[str, object] = {"loss": f"{loss:.3f}", "acc0": f"{acc[0]:.2f}"}
+            st = self.layout.unpack(vals)
+            self.summary.setdefault("loss_first", st.loss)
+            self.summary["loss_last"] = st.loss
+            self.setup.log.write({"kind": "train", "step": step, **st.record(), **extra})
+            info: dict[str, object] = {"loss": f"{st.loss:.3f}", "acc0": f"{st.acc[0]:.2f}"}
             if step in taus:
                 info["tau"] = f"{taus[step]:.2f}"
             if self.progress is not None:

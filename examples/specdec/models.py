@@ -22,6 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F  # noqa: N812 - torch's own convention
 
+from . import stats
 from .masks import Mask
 
 
@@ -456,8 +457,9 @@ def ttt_loss(drafter: Drafter, fused: torch.Tensor, tokens: torch.Tensor, pos: t
     Step i at position t reads token ``x[t+1+i]`` and predicts the target's next-token distribution at position
     ``t+1+i``: soft cross-entropy against the target's top-k (renormalised) or, when the target sent its full
     logits (``tgt_idx`` is the greedy token ``[B, S]``), against its whole distribution. Step losses are weighted
-    ``decay**i``. Returns (loss, stats) with stats = [loss, accuracy of step 0 .. k-1] (argmax against the
-    target's greedy token), detached, for logging without a host synchronisation.
+    ``decay**i``. Returns (loss, the batch's measured statistics packed by ``stats.pack``: the loss and the
+    accuracy of steps 0 .. k-1, argmax against the target's greedy token), the statistics detached, for logging
+    without a host synchronisation.
     """
     full = tgt_idx.dim() == tokens.dim()
     hidden = drafter.fuse(fused)
@@ -482,7 +484,7 @@ def ttt_loss(drafter: Drafter, fused: torch.Tensor, tokens: torch.Tensor, pos: t
         weights += w
         accs.append(((logits.argmax(-1) == greedy).float() * valid).sum() / count)
     loss = total / weights
-    return loss, torch.cat([loss.detach().view(1), torch.stack(accs).detach()])
+    return loss, stats.pack(loss=loss, acc=torch.stack(accs))
 
 
 def draft_greedy(drafter: Drafter, fused: torch.Tensor, tokens: torch.Tensor, pos: torch.Tensor,

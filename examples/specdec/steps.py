@@ -17,7 +17,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from . import data as data_mod
-from . import graphs, masks, metrics, models
+from . import graphs, masks, metrics, models, stats
 from .config import Config
 from .runtime import Lane, PhaseTimer, Run
 
@@ -115,7 +115,7 @@ def upload(batch: data_mod.Batch, lane: Lane, pin: bool) -> torch.Tensor:
 class Replica:
     """One drafter replica with its optimizer, on its lane. Gradients live in one persistent flat buffer
     (``p.grad`` are views into it, so backward accumulates straight into what gets reduced): no per-step
-    concatenation, no per-parameter copies. Layout: [gradients | loss | accuracy per TTT step | grad norm].
+    concatenation, no per-parameter copies. The step's statistics ride behind the gradients (``stats.Layout``).
 
     With ``--step-graphs`` the forward+backward and the optimizer update are ``graphs.StepGraph``s; the learning
     rate is then a tensor on the device (a captured update reads it at every replay)."""
@@ -124,11 +124,11 @@ class Replica:
                  cfg: Config, loss_fn: Callable[..., Any]) -> None:
         self.model, self.opt, self.lane, self.k = model, opt, lane, k
         params = list(model.parameters())
-        self.n_grad = sum(p.numel() for p in params)
-        self.flat = torch.zeros(self.n_grad + k + 2, device=lane.device)
-        offset = 0
+        self.layout = stats.Layout(sum(p.numel() for p in params), k)
+        self.flat = torch.zeros(self.layout.size, device=lane.device)
+        grads, offset = self.layout.grads(self.flat), 0
         for p in params:
-            p.grad = self.flat[offset:offset + p.numel()].view_as(p)
+            p.grad = grads[offset:offset + p.numel()].view_as(p)
             offset += p.numel()
         self.completed = 0  # last step whose optimizer update finished
         self.updating = False
@@ -150,7 +150,7 @@ class Replica:
 
     def _fwd_bwd_fn(self, cfg: Config, loss_fn: Callable[..., Any]) -> Callable[..., None]:
         """The mask, loss, backward (into the flat buffer) and the batch's statistics, from the batch's tensors."""
-        k, n_grad = self.k, self.n_grad
+        k, measured = self.k, self.layout.measured
         mark_step = cfg.drafter_compile_mode == "reduce-overhead" and not cfg.no_compile
 
         def fwd_bwd(fused: torch.Tensor, vals: torch.Tensor, idx: torch.Tensor, packed: torch.Tensor) -> None:
@@ -161,9 +161,9 @@ class Replica:
             if mark_step:
                 torch.compiler.cudagraph_mark_step_begin()  # the stats output is consumed before the next replay
             with autocast(cfg, self.lane.device):
-                loss, stats = loss_fn(self.model, fused, tokens, pos, doc, vals, idx, mask, k)
+                loss, batch_stats = loss_fn(self.model, fused, tokens, pos, doc, vals, idx, mask, k)
             loss.backward()
-            self.flat[n_grad:n_grad + 1 + k].add_(stats)
+            self.flat[measured].add_(batch_stats)
 
         return fwd_bwd
 
