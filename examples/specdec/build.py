@@ -214,7 +214,7 @@ def maybe_compile(cfg: Config, fn: Callable[..., Any], mode: str = "default") ->
     return compiled
 
 
-def mean_attended_keys(data: data_mod.Data, batches: int = 2) -> float:
+def mean_attended_keys(data: data_mod.Data, batches: int) -> float:
     """Keys a query attends under the document-causal mask, averaged over a few batches (for the FLOP count)."""
     total, count = 0.0, 0
     for i in range(batches):
@@ -283,8 +283,9 @@ def setup(cfg: Config) -> Setup:
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     devices = parse_devices(cfg.devices)
     cuda = devices[0].type == "cuda"
-    if not cuda or cfg.torch_threads:
-        torch.set_num_threads(cfg.torch_threads or 1)
+    threads = cfg.torch_threads_for(cuda)
+    if threads:
+        torch.set_num_threads(threads)
     if cuda:
         torch.set_float32_matmul_precision("high")  # TF32 for whatever stays float32
     masks.BUILDER = cfg.mask_builder
@@ -310,4 +311,5 @@ def setup(cfg: Config) -> Setup:
     run.reducer = Reducer(len(replicas), cfg.drafter_threads, world, clip, graph=bool(cfg.step_graphs))
     return Setup(cfg=cfg, rank=rank, world=world, devices=devices, t_dev=t_dev, d_dev=d_dev, out=out, log=log,
                  data=data, target=targets.first, target_fns=target_fns, dcfg=dcfg, replicas=replicas,
-                 start_step=start_step, evalset=evalset, run=run, timer=PhaseTimer(cuda))
+                 start_step=start_step, evalset=evalset, run=run,
+                 timer=PhaseTimer(cuda, cfg.phase_timer_every))

@@ -78,10 +78,12 @@ def validate(cfg: Config) -> str | None:
         value = getattr(cfg, name)
         if value < 0:
             return f"--{name.replace('_', '-')} must not be negative (got {value})"
-    for name in ["lr", "hang_timeout", "retry_timeout", "dist_timeout", "rope_theta"]:
+    for name in ["lr", "hang_timeout", "retry_timeout", "dist_timeout", "rope_theta", "step_decay"]:
         value = getattr(cfg, name)
         if not value > 0:
             return f"--{name.replace('_', '-')} must be positive (got {value})"
+    if not 0 <= cfg.min_lr_ratio <= 1:
+        return f"--min-lr-ratio must be in [0, 1] (got {cfg.min_lr_ratio})"
     if cfg.torch_threads is not None and cfg.torch_threads < 1:
         return f"--torch-threads must be at least 1 (got {cfg.torch_threads})"
     if cfg.peak_tflops is not None and not cfg.peak_tflops > 0:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from . import package_state
 
@@ -86,6 +86,7 @@ class Config:
                                         "few steps)")
     target_topk: int = option(0, "target logits sent to drafters: top-k (0 = full vocabulary, sent as logits)")
     ttt_steps: int = option(3, "k: training-time-test unroll depth = tokens drafted per round")
+    step_decay: float = option(0.8, "weight of TTT step i in the drafter's loss: step_decay**i")
     seed: int = option(0)
 
     data: str | None = option(None, ".txt (blank-line separated docs) or .jsonl (field 'text'); default: embedded "
@@ -97,6 +98,7 @@ class Config:
     steps: int = option(200, "drafter optimizer steps", group="optimisation")
     lr: float = option(3e-3)
     warmup: int = option(20, "linear warm-up steps")
+    min_lr_ratio: float = option(0.1, "after the warm-up the learning rate decays (cosine) to this fraction of --lr")
     weight_decay: float = option(0.0)
     grad_clip: float = option(1.0)
     compile_backend: str = option("inductor", "torch.compile backend (aot_eager compiles fast)")
@@ -175,6 +177,22 @@ class Config:
     inject_fault: str | None = option(None, "testing aid: 'error' or 'hang' in thread kind 'target'/'drafter' (index "
                                             "0) at STEP", metavar="KIND:THREAD:STEP")
     dry_run: bool = option(False, "print the resolved configuration and exit", action="store_true")
+
+    # Fixed choices of the trainer, not flags (ClassVar: no field, so no flag and no entry in ``as_dict``).
+    flop_batches: ClassVar[int] = 2  # batches whose masks give the mean attended keys of the FLOP count (MFU)
+    phase_timer_every: ClassVar[int] = 4  # GPU time per phase is sampled at every N-th step (two events each)
+    profile_len: ClassVar[int] = 5  # steps profiled without --profile-steps
+
+    def torch_threads_for(self, cuda: bool) -> int | None:
+        """torch's intra-op threads: ``--torch-threads``, else 1 where the devices are CPUs (the worker threads are
+        the parallelism), else None (torch's own choice)."""
+        return self.torch_threads or (None if cuda else 1)
+
+    def profile_window(self, mark_after: int) -> tuple[int, int]:
+        """``--profile``'s steps ``(a, b)``, from the start of step a to the start of step b: ``--profile-steps``,
+        else the ``profile_len`` steps after the last step excluded from the steady window (``mark_after``)."""
+        a, b = (int(x) for x in (self.profile_steps or f"{mark_after + 1}:{mark_after + 1 + self.profile_len}").split(":"))
+        return a, b
 
     def as_dict(self) -> dict[str, Any]:
         """Field name -> value, in field order (summary.json's and the checkpoints' ``config``)."""

@@ -30,9 +30,7 @@ class Leader:
         self.progress: metrics.Progress | None = None
         self.prof_range: tuple[int, int] | None = None
         if self.cfg.profile and setup.rank == 0:
-            default = f"{setup.mark_after + 1}:{setup.mark_after + 6}"
-            a, b = (int(x) for x in (self.cfg.profile_steps or default).split(":"))
-            self.prof_range = (a, b)
+            self.prof_range = self.cfg.profile_window(setup.mark_after)
         self.profiler: list[Any] = []
 
     def evaluate_first(self) -> None:

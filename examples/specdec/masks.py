@@ -144,13 +144,21 @@ _COMPILED = _Compiled()
 
 # How BlockMasks are built: "dense" (block_mask_from_dense, eager), "compiled" (the same ops compiled) or
 # "create_block_mask" (torch's own, slower; kept as a switch, --mask-builder, in case a fast path misbehaves on
-# some torch version). Set once before threads start.
-BUILDER = "dense"
+# some torch version). Set once before threads start, from the run's configuration (build.setup); no default of
+# its own: the default is Config's.
+BUILDER: str | None = None
+
+
+def _builder() -> str:
+    """``BUILDER``, which only the BlockMask (CUDA) path reads."""
+    if BUILDER is None:
+        raise RuntimeError("masks.BUILDER is not set: it is the run's --mask-builder, set before any BlockMask is built")
+    return BUILDER
 
 
 def build_mask(mask_mod: MaskMod, batch: int, q_len: int, kv_len: int, device: torch.device) -> Mask:
     """A ``BlockMask`` on CUDA, a dense boolean mask elsewhere; built eagerly, outside compiled code."""
-    if use_flex(device) and BUILDER == "create_block_mask":
+    if use_flex(device) and _builder() == "create_block_mask":
         from torch.nn.attention.flex_attention import create_block_mask
 
         return create_block_mask(mask_mod, batch, None, q_len, kv_len, device=str(device))
@@ -164,6 +172,6 @@ def target_mask(doc: torch.Tensor, dense: bool = False) -> Mask:
     batch, seq = doc.shape
     if dense:
         return dense_mask(document_causal_mod(doc), batch, seq, seq, doc.device)
-    if use_flex(doc.device) and BUILDER == "compiled":
+    if use_flex(doc.device) and _builder() == "compiled":
         return _block_mask(_COMPILED("target", _target_tensors, doc), seq, seq, document_causal_mod(doc))
     return build_mask(document_causal_mod(doc), batch, seq, seq, doc.device)

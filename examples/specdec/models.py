@@ -55,7 +55,7 @@ class SwiGLU(nn.Module):
         return self.down(F.silu(self.gate(x)) * self.up(x))
 
 
-def rope(x: torch.Tensor, pos: torch.Tensor, theta: float = 10000.0) -> torch.Tensor:
+def rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
     """Rotary embedding of ``x`` ``[B, H, S, D]`` at integer positions ``pos`` ``[B, S]`` (rotate-half form)."""
     half = x.shape[-1] // 2
     inv_freq = theta ** (-torch.arange(half, device=x.device, dtype=torch.float32) / half)
@@ -130,17 +130,19 @@ def hidden_layer_ids(num_layers: int) -> tuple[int, int, int]:
 
 
 # ----------------------------------------------------------------------------------------------------- target
-@dataclass
+@dataclass(kw_only=True)
 class TargetConfig:
-    vocab_size: int = 256
-    dim: int = 128
-    layers: int = 4
-    heads: int = 4
-    ffn: int = 256
-    seed: int = 0
-    prior_strength: float = 0.5  # weight of the frozen bigram prior in the logits (0 disables it)
-    kv_heads: int | None = None  # grouped-query attention (Llama 3: 8); None = heads
-    rope_theta: float = 10000.0
+    """The built-in target's shape and init; every value from the run's ``Config`` (``build.build_target``)."""
+
+    vocab_size: int
+    dim: int
+    layers: int
+    heads: int
+    ffn: int
+    seed: int
+    prior_strength: float  # weight of the frozen bigram prior in the logits (0 disables it)
+    kv_heads: int | None  # grouped-query attention (Llama 3: 8); None = heads
+    rope_theta: float
 
 
 class Attention(nn.Module):
@@ -151,8 +153,8 @@ class Attention(nn.Module):
     (measured together with ``SoftCrossEntropy``: docs/trainer.md, row 14). The frozen target keeps three
     (concatenating its weights would copy them on every forward)."""
 
-    def __init__(self, in_dim: int, dim: int, heads: int, kv_heads: int | None = None,
-                 rope_theta: float = 10000.0, fused: bool = False) -> None:
+    def __init__(self, in_dim: int, dim: int, heads: int, kv_heads: int | None, rope_theta: float,
+                 fused: bool = False) -> None:
         super().__init__()
         self.fused = fused
         self.heads, self.head_dim = heads, dim // heads
@@ -343,15 +345,17 @@ def target_features(target: nn.Module, tokens: torch.Tensor, pos: torch.Tensor, 
 
 
 # ---------------------------------------------------------------------------------------------------- drafter
-@dataclass
+@dataclass(kw_only=True)
 class DrafterConfig:
+    """The drafter's shape: the target's, with the run's TTT depth (``build.drafter_config``)."""
+
     vocab_size: int
     dim: int
     heads: int
     ffn: int
-    ttt_steps: int = 3
-    kv_heads: int | None = None
-    rope_theta: float = 10000.0
+    ttt_steps: int
+    kv_heads: int | None
+    rope_theta: float
 
 
 class Drafter(nn.Module):
@@ -449,7 +453,7 @@ def soft_cross_entropy(logits: torch.Tensor, target_logits: torch.Tensor) -> tor
 
 
 def ttt_loss(drafter: Drafter, fused: torch.Tensor, tokens: torch.Tensor, pos: torch.Tensor, doc: torch.Tensor,
-             tgt_vals: torch.Tensor, tgt_idx: torch.Tensor, mask: Mask, steps: int, step_decay: float = 0.8
+             tgt_vals: torch.Tensor, tgt_idx: torch.Tensor, mask: Mask, steps: int, step_decay: float
              ) -> tuple[torch.Tensor, torch.Tensor]:
     """Training-time-test loss, unrolled over ``steps`` steps (teacher-forced tokens, own hidden states);
     ``mask``: the batch's document-causal mask (``Drafter.step``).
@@ -457,7 +461,7 @@ def ttt_loss(drafter: Drafter, fused: torch.Tensor, tokens: torch.Tensor, pos: t
     Step i at position t reads token ``x[t+1+i]`` and predicts the target's next-token distribution at position
     ``t+1+i``: soft cross-entropy against the target's top-k (renormalised) or, when the target sent its full
     logits (``tgt_idx`` is the greedy token ``[B, S]``), against its whole distribution. Step losses are weighted
-    ``decay**i``. Returns (loss, the batch's measured statistics packed by ``stats.pack``: the loss and the
+    ``step_decay**i`` (``--step-decay``). Returns (loss, the batch's measured statistics packed by ``stats.pack``: the loss and the
     accuracy of steps 0 .. k-1, argmax against the target's greedy token), the statistics detached, for logging
     without a host synchronisation.
     """

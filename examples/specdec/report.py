@@ -24,7 +24,7 @@ from .steps import Replica
 def flop_counts(setup: Setup) -> tuple[dict[str, float], float]:
     """Model FLOPs per token of the target forward and of the drafter step, and the keys a query attends on
     average (measured on the data), for the MFU of the summary."""
-    keys = mean_attended_keys(setup.data)
+    keys = mean_attended_keys(setup.data, setup.cfg.flop_batches)
     dcfg = setup.dcfg
     counts = {"target": flops.target_flops_per_token(target_shape(setup.cfg, setup.target), keys),
               "drafter": flops.drafter_flops_per_token(

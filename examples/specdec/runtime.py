@@ -358,7 +358,7 @@ class PhaseTimer:
     interval are interpreter time that every thread pays under one GIL). With concurrent streams an interval also
     contains other threads' kernels that ran meanwhile: exact for the sequential layout, an upper bound otherwise."""
 
-    def __init__(self, enabled: bool, every: int = 4) -> None:
+    def __init__(self, enabled: bool, every: int) -> None:
         self.enabled, self.every = enabled, max(1, every)
         self.lock = threading.Lock()
         self.events: dict[str, list[tuple[int, Any, Any]]] = {}

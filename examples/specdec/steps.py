@@ -81,11 +81,13 @@ class EvalSet:
 
 
 def lr_at(cfg: Config, step: int) -> float:
-    """Linear warm-up then cosine decay to 10 %; a pure function of the step, so resume needs no scheduler state."""
+    """Linear warm-up then cosine decay to ``--min-lr-ratio`` of ``--lr``; a pure function of the step, so resume
+    needs no scheduler state."""
     if step < cfg.warmup:
         return cfg.lr * (step + 1) / cfg.warmup
     frac = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
-    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
+    floor = cfg.min_lr_ratio
+    return cfg.lr * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
 
 
 def inject_fault(cfg: Config, thread: str, step: int) -> None:
@@ -150,7 +152,7 @@ class Replica:
 
     def _fwd_bwd_fn(self, cfg: Config, loss_fn: Callable[..., Any]) -> Callable[..., None]:
         """The mask, loss, backward (into the flat buffer) and the batch's statistics, from the batch's tensors."""
-        k, measured = self.k, self.layout.measured
+        k, measured, decay = self.k, self.layout.measured, cfg.step_decay
         mark_step = cfg.drafter_compile_mode == "reduce-overhead" and not cfg.no_compile
 
         def fwd_bwd(fused: torch.Tensor, vals: torch.Tensor, idx: torch.Tensor, packed: torch.Tensor) -> None:
@@ -161,7 +163,7 @@ class Replica:
             if mark_step:
                 torch.compiler.cudagraph_mark_step_begin()  # the stats output is consumed before the next replay
             with autocast(cfg, self.lane.device):
-                loss, batch_stats = loss_fn(self.model, fused, tokens, pos, doc, vals, idx, mask, k)
+                loss, batch_stats = loss_fn(self.model, fused, tokens, pos, doc, vals, idx, mask, k, decay)
             loss.backward()
             self.flat[measured].add_(batch_stats)
 

@@ -10,6 +10,19 @@ torch = pytest.importorskip("torch")
 
 # The repository root is on sys.path (pytest's pythonpath in pyproject.toml): the trainer is examples.specdec.
 from examples.specdec import data as data_mod, flops, masks, models  # noqa: E402
+from examples.specdec.config import Config  # noqa: E402
+
+DEFAULTS = Config()  # the trainer's defaults, for the model settings a test does not choose itself
+
+
+def target_config(**shape: int) -> models.TargetConfig:
+    """A built-in target of the given shape, without the synthetic prior, otherwise with the trainer's defaults."""
+    return models.TargetConfig(seed=DEFAULTS.seed, prior_strength=0, rope_theta=DEFAULTS.rope_theta, **shape)
+
+
+def drafter_config(vocab: int, dim: int, heads: int, ffn: int, k: int, kv: int) -> models.DrafterConfig:
+    return models.DrafterConfig(vocab_size=vocab, dim=dim, heads=heads, ffn=ffn, ttt_steps=k, kv_heads=kv,
+                                rope_theta=DEFAULTS.rope_theta)
 
 
 @pytest.mark.parametrize("batch, seq, steps", [(2, 128, 3), (2, 200, 2), (1, 64, 2)])
@@ -99,9 +112,10 @@ def test_flex_log_sum_exp_is_the_natural_one() -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="flex_attention's backward needs CUDA")
 @pytest.mark.parametrize("kv_heads", [4, 2])
-def test_ttt_attention_compiled_flex_on_cuda(kv_heads: int) -> None:
+def test_ttt_attention_compiled_flex_on_cuda(kv_heads: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """The CUDA path: compiled flex_attention returning the log-sum-exp (its gradient flows back through the
     kernel) merged with the diagonal, against the concatenated-keys reference: output and every gradient, bf16."""
+    monkeypatch.setattr(masks, "BUILDER", DEFAULTS.mask_builder)  # what the trainer's set-up does
     doc, q, kv = _ttt_attention_inputs(2, 384, 4, kv_heads, 4, "cuda", torch.bfloat16)
     mask = masks.target_mask(doc)  # a BlockMask on CUDA: what the drafter step gets
 
@@ -152,8 +166,8 @@ def test_flop_formulas_match_flop_counter() -> None:
 
     torch.manual_seed(0)
     b, s, vocab, dim, heads, kv, ffn, layers, k = 2, 32, 64, 64, 4, 2, 96, 2, 3
-    target = models.TargetLM(models.TargetConfig(vocab_size=vocab, dim=dim, layers=layers, heads=heads,
-                                                 kv_heads=kv, ffn=ffn, prior_strength=0))
+    target = models.TargetLM(target_config(vocab_size=vocab, dim=dim, layers=layers, heads=heads, kv_heads=kv,
+                                           ffn=ffn))
     tok = torch.randint(0, vocab, (b, s))
     pos = torch.arange(s).expand(b, s)
     doc = torch.zeros(b, s, dtype=torch.long)
@@ -161,11 +175,11 @@ def test_flop_formulas_match_flop_counter() -> None:
         target(tok, pos, masks.target_mask(doc))
     shape = flops.Shape(vocab, dim, heads, kv, ffn, layers)
     assert fc.get_total_flops() == flops.target_flops_per_token(shape, keys=s) * b * s
-    drafter = models.Drafter(models.DrafterConfig(vocab, dim, heads, ffn, k, kv), target.input_embedding(),
+    drafter = models.Drafter(drafter_config(vocab, dim, heads, ffn, k, kv), target.input_embedding(),
                              target.output_embedding())
     with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as fc:
         loss, _ = models.ttt_loss(drafter, torch.randn(b, s, 3 * dim), tok, pos, doc, torch.randn(b, s, vocab), tok,
-                                  masks.target_mask(doc), k)
+                                  masks.target_mask(doc), k, DEFAULTS.step_decay)
         loss.backward()
     expected = flops.drafter_flops_per_token_keys(flops.Shape(vocab, dim, heads, kv, ffn),
                                                   [s] * k) * b * s
@@ -197,16 +211,15 @@ def test_drafter_fused_projections_equal_separate_ones() -> None:
     separate Linear layers (the parameters, and so checkpoints, are the same)."""
     torch.manual_seed(0)
     b, s, vocab, dim, heads, kv, ffn, k = 2, 32, 64, 64, 4, 2, 96, 3
-    target = models.TargetLM(models.TargetConfig(vocab_size=vocab, dim=dim, layers=2, heads=heads, kv_heads=kv,
-                                                 ffn=ffn, prior_strength=0))
-    drafter = models.Drafter(models.DrafterConfig(vocab, dim, heads, ffn, k, kv), target.input_embedding(),
+    target = models.TargetLM(target_config(vocab_size=vocab, dim=dim, layers=2, heads=heads, kv_heads=kv, ffn=ffn))
+    drafter = models.Drafter(drafter_config(vocab, dim, heads, ffn, k, kv), target.input_embedding(),
                              target.output_embedding()).double()
     assert drafter.attn.fused and drafter.mlp.fused
     tok = torch.randint(0, vocab, (b, s))
     pos = torch.arange(s).expand(b, s)
     doc = torch.zeros(b, s, dtype=torch.long)
     args = (torch.randn(b, s, 3 * dim, dtype=torch.float64), tok, pos, doc,
-            torch.randn(b, s, vocab, dtype=torch.float64), tok, masks.target_mask(doc), k)
+            torch.randn(b, s, vocab, dtype=torch.float64), tok, masks.target_mask(doc), k, DEFAULTS.step_decay)
     results = []
     for fused in (True, False):
         drafter.attn.fused = drafter.mlp.fused = fused
