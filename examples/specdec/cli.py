@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse(argv: list[str] | None = None) -> Config:
     """The run's configuration from a command line (``sys.argv[1:]`` by default); not yet validated."""
-    return config.resolve(vars(build_parser().parse_args(argv)))
+    return config.resolve(vars(build_parser().parse_args(argv)), ttc_active=package_state.active())
 
 
 DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
@@ -196,7 +196,7 @@ def reexec_without_ttc() -> None:
     work). ``sys.orig_argv`` (Python 3.10+) keeps interpreter options and ``-m``; without it the command is
     rebuilt from the interpreter flags and ``sys.argv``. Nothing to do where the package says it is not active
     (disabled already, in the re-executed interpreter too; not activated; not installed)."""
-    if not package_state.state()["active"]:
+    if not package_state.active():
         return
     os.environ["TTC_DISABLE"] = "1"  # the variable is the package's to read; the trainer only sets it for the child
     orig = getattr(sys, "orig_argv", None)

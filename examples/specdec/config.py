@@ -3,15 +3,15 @@
 A run's configuration is built in three layers, later ones winning: the defaults written on ``Config``'s fields, the
 values of a preset (``PRESETS``, chosen with ``--preset``), and the flags given on the command line. The command
 line itself is generated from ``Config`` (``cli.build_parser``): a field ``target_dim`` is the flag ``--target-dim``;
-its help text, choices and group are the field's metadata. Imports nothing heavy (no torch).
+its help text, choices and group are the field's metadata. Imports nothing (no torch, nothing of this package):
+whether torch_threadsafe_compile is active, which one default depends on, is the caller's to say
+(``package_state.active``, the one place that decides it).
 """
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
-
-from . import package_state
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
@@ -199,15 +199,15 @@ class Config:
         return dataclasses.asdict(self)
 
 
-def resolve(given: dict[str, Any]) -> Config:
+def resolve(given: dict[str, Any], ttc_active: bool | None = None) -> Config:
     """The run's configuration from the flags given (field name -> value): ``Config``'s defaults, overridden by the
-    preset's values, overridden by ``given``; then the two defaults that depend on others: ``error_policy`` (count
-    and retry unless torch_threadsafe_compile is active, ``package_state``) and ``measure_after`` (a fifth of the steps, at least 1)."""
+    preset's values, overridden by ``given``; then the two defaults that depend on others: ``error_policy`` (stop the
+    run while torch_threadsafe_compile is active, count and retry otherwise) and ``measure_after`` (a fifth of the
+    steps, at least 1). ``ttc_active`` is ``package_state.active()`` (``cli.parse``); None leaves ``error_policy``
+    unset, for readers that only want the shapes of a preset (the benches)."""
     cfg = Config(**{**PRESETS.get(given.get("preset") or "", {}), **given})
-    if cfg.error_policy is None:
-        # The package's own word on this process, not the environment: TTC_DISABLE has several spellings, and an
-        # importable package protects nothing where nothing activated it.
-        cfg = dataclasses.replace(cfg, error_policy="raise" if package_state.state()["active"] else "count")
+    if cfg.error_policy is None and ttc_active is not None:
+        cfg = dataclasses.replace(cfg, error_policy="raise" if ttc_active else "count")
     if cfg.measure_after is None and cfg.steps > 0:
         cfg = dataclasses.replace(cfg, measure_after=min(cfg.steps - 1, max(1, cfg.steps // 5)))
     return cfg

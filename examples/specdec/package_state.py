@@ -11,6 +11,13 @@ from __future__ import annotations
 from typing import Any
 
 
+def active() -> bool:
+    """Whether torch_threadsafe_compile protects this process: the one place the trainer decides it (``state``
+    asks the package). The error policy's default (``config.resolve``), ``--no-ttc``'s re-execution
+    (``cli.reexec_without_ttc``), the start line and the summaries all go by this answer."""
+    return bool(state()["active"])
+
+
 def state() -> dict[str, Any]:
     """``{"importable", "active", "label", ["in_force"], "status"}``: ``in_force`` lists the patches applied,
     ``status`` is the package's ``status()`` (None when it
@@ -26,14 +33,17 @@ def state() -> dict[str, Any]:
     except Exception as e:
         return {"importable": True, "active": False, "label": "status() failed", "status": None,
                 "reason": f"{type(e).__name__}: {e}"}
-    return {"importable": True, "active": bool(status.get("active")), "label": label(status),
+    # The package's own word on this process, not the environment: TTC_DISABLE has several spellings, and an
+    # importable package protects nothing where nothing activated it.
+    is_active = bool(status.get("active"))
+    return {"importable": True, "active": is_active, "label": label(status, is_active),
             "in_force": in_force(status), "status": status}
 
 
-def label(status: dict[str, Any]) -> str:
+def label(status: dict[str, Any], is_active: bool) -> str:
     """``active``, ``active, protection missing: ...``, ``disabled (TTC_DISABLE=...)``, ``uninstalled`` or
     ``not activated``: the package's own words, shortened."""
-    if status.get("active"):
+    if is_active:
         missing = status.get("protection_missing") or []
         return "active" if not missing else "active, protection missing: " + "; ".join(missing)
     activation = str(status.get("activation"))
