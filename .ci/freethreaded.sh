@@ -68,10 +68,8 @@ export PYTHON_GIL=0
 "$VENV/bin/python" -c 'import sys, torch; f = torch.compile(lambda x: x + 1, backend="aot_eager"); f(torch.ones(2)); assert not sys._is_gil_enabled(), "GIL is on"; print("GIL off after import torch and a compile")'
 
 stamp "pytest, patch suites (GIL off)"
-PATCH_SUITE=(tests/test_hazards.py tests/test_registry.py tests/test_startup.py tests/test_env.py
-             tests/test_first_compile.py tests/test_lazy_backward.py tests/test_do_no_harm.py
-             tests/test_same_thread.py tests/test_cudagraph_threads.py tests/test_freethreaded.py
-             tests/test_conformance.py tests/test_first_compile_waits.py)
+mapfile -t PATCH_SUITE < <(python3 .ci/patch_suite.py --leg ft)  # from the patch table
+[ "${#PATCH_SUITE[@]}" -gt 0 ] || { echo "the patch suite could not be read from the patch table"; exit 1; }
 "$VENV/bin/python" -m pytest -q -p no:cacheprovider -n 2 "${PATCH_SUITE[@]}"
 
 stamp "doctor --selftest (GIL off)"

@@ -8,13 +8,17 @@ differ from upstream's; a second ``install()`` changes nothing; ``uninstall()`` 
 back, identity included, and the journal is empty; ``install()`` again edits the same attributes; a fork
 while another thread holds one of the patch's module-level locks leaves a child that can take that lock
 and compile. A patch that does not apply on this torch is skipped with its own reason (``status()``).
-The hazard side (the scenario fails with ``TTC_DISABLE=1`` and passes active) is each hazard's own test:
-tests/test_hazards.py, test_crash_hazards.py, test_cudagraph_*.py.
+The hazard side (the scenario fails with ``TTC_DISABLE=1`` and passes active) is the hazard test each
+row names (``PatchSpec.test``); :func:`test_patch_row_names_a_hazard_test_that_ci_runs` checks that the
+test exists, runs the row's scenario, compares both modes, and is in CI's patch suite on every leg.
 """
 
 from __future__ import annotations
 
+import ast
 import json
+import pathlib
+import re
 import sys
 
 import pytest
@@ -57,3 +61,37 @@ def test_package_modules_locks_survive_a_fork() -> None:
     core = _report()["core"]
     assert core["locks"], "no module-level lock found outside patches/: the probe looks in the wrong place"
     assert not core["problems"], "\n".join(core["problems"])
+
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+# How a hazard test runs the unpatched side (TTC_DISABLE=1) beside the active one: tests/test_hazards.py's
+# pair()/unpatched_until_shown(), the crash tests' crashes_unpatched(), or an explicit OFF/"1" environment.
+BOTH_MODES = re.compile(r"\bpair\(|unpatched_until_shown|crashes_unpatched|_stress\(|\bOFF\b|TTC_DISABLE|_mechanism\("
+                        r"|GIL_OFF|_bench_rows\(|\bunpatched\(")
+
+
+def _scenario_defined(name: str) -> bool:
+    sources = [*(ROOT / "ttc_testing").rglob("*.py"), ROOT / "torch_threadsafe_compile" / "selftest.py",
+               ROOT / "bench" / "stress.py"]
+    return any(re.search(rf"^def {re.escape(name)}\(|^\s+\"{re.escape(name)}\":", p.read_text(), re.M) for p in sources)
+
+
+@pytest.mark.parametrize("patch_id", registry.PATCH_MODULES)
+def test_patch_row_names_a_hazard_test_that_ci_runs(patch_id: str) -> None:
+    spec = registry.SPECS[patch_id]
+    path, _, func = spec.test.partition("::")
+    source = (ROOT / path).read_text()
+    tree = ast.parse(source)
+    fn = next((n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == func), None)
+    assert fn is not None, f"{patch_id}: its row names {spec.test}, which does not exist"
+    body = ast.get_source_segment(source, fn) or ""
+    assert BOTH_MODES.search(body), f"{spec.test} does not run the unpatched side beside the active one"
+    if spec.scenario is not None:
+        assert _scenario_defined(spec.scenario), f"{patch_id}: scenario {spec.scenario!r} is defined nowhere in ttc_testing"
+        assert spec.scenario in source, f"{spec.test}'s file never runs scenario {spec.scenario!r}"
+    sys.path.insert(0, str(ROOT / ".ci"))
+    try:
+        import patch_suite
+    finally:
+        sys.path.remove(str(ROOT / ".ci"))
+    assert path in patch_suite.suite(str(ROOT)), f"{path} is not in CI's patch suite"

@@ -122,6 +122,34 @@ print("RESULT " + json.dumps(dict(fired=len(fired), after_s=round(time.time() - 
     assert "Thread" in p.stderr  # every thread's stack was dumped
 
 
+_HELD_LOCK = """
+import threading, time, torch, torch._dynamo
+import torch._dynamo.convert_frame as cf
+hold = threading.Event()
+def holder():
+    with cf.compile_lock:
+        hold.set(); time.sleep(4)
+threading.Thread(target=holder, daemon=True).start(); hold.wait()
+t0 = time.time()
+with cf.compile_lock:  # a compile of this thread would wait here, silently upstream
+    pass
+print("WAITED %.1f" % (time.time() - t0))
+"""
+
+
+def test_h4_a_blocked_compile_lock_is_reported_only_with_the_package() -> None:
+    """patch compile_lock_watchdog: with ``TTC_WATCHDOG=1``, a thread that waits for dynamo's compile_lock
+    longer than the bound gets every thread's stack and an H4 line on stderr; upstream (``TTC_DISABLE=1``)
+    the same wait is silent: a hang of H4's kind shows nothing to debug it with."""
+    out = {}
+    for mode in ("1", "0"):
+        p = run_py(_HELD_LOCK, env={"TTC_DISABLE": mode, "TTC_WATCHDOG": "1"}, timeout=120)
+        assert p.returncode == 0 and "WAITED" in p.stdout, p.stderr[-2000:]
+        out[mode] = p.stderr
+    assert "H4" not in out["1"] and "compile_lock" not in out["1"], out["1"][-2000:]  # the hazard: silence
+    assert "H4" in out["0"] and "compile_lock" in out["0"] and "Thread" in out["0"], out["0"][-2000:]
+
+
 def test_watchdog_from_environment() -> None:
     p = run_py("import torch, torch._dynamo; from torch_threadsafe_compile import watchdog; print(watchdog.running())",
                env={"TTC_WATCHDOG": "30"})

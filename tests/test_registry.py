@@ -30,22 +30,89 @@ def test_every_patch_declares_its_spec() -> None:
         assert spec.modules and all(m == "torch" or m.startswith("torch.") for m in spec.modules)
 
 
-def test_bootstrap_watches_exactly_the_target_modules() -> None:
-    # The bootstrap cannot import the patch modules at start-up, so it keeps its own list: it must be
-    # exactly the modules some patch waits for (a module no patch targets is a wasted hook).
-    assert _bootstrap.WATCHED == registry.watched_modules(_specs())
+def test_bootstrap_and_env_read_the_table() -> None:
+    # No hand-kept copies: the interpreter-start hook and TTC_DISABLE's ids come from the table itself.
+    finder = _bootstrap._PostImportFinder()
+    assert finder.find_spec("json") is None and finder.watched is None, "the table is read only for torch modules"
+    finder.find_spec("torch.this_module_does_not_exist")
+    assert finder.watched == registry.watched_modules(_specs())
+    assert _env.known_patches() == set(registry.PATCH_MODULES)
+    assert not _env.read_settings({"TTC_DISABLE": ",".join(registry.PATCH_MODULES)}).problems
+    assert _env.read_settings({"TTC_DISABLE": "no_such_patch"}).problems
 
 
-def test_env_knows_exactly_the_patch_ids() -> None:
-    # TTC_DISABLE=<ids> is checked at interpreter start, without importing the registry: same list.
-    assert _env.KNOWN_PATCHES == set(registry.PATCH_MODULES)
-
-
-def test_declared_contracts_name_real_patches() -> None:
+def test_declared_contracts_name_real_patches_and_capabilities() -> None:
     ids = set(registry.PATCH_MODULES)
+    providers = registry.capability_providers()
     for spec in _specs():
-        assert set(spec.after) | set(spec.uses) <= ids, spec.id
-        assert spec.id not in spec.uses
+        assert set(spec.after) <= ids and spec.id not in spec.after, spec.id
+        assert set(spec.requires) <= set(providers), f"{spec.id} requires what nobody provides: {spec.requires}"
+        assert not set(spec.provides) & set(spec.requires), spec.id
+    required = {name for spec in _specs() for name in spec.requires}
+    assert set(providers) <= required, f"provided but never required: {set(providers) - required}"
+
+
+def test_undeclared_capabilities_are_refused() -> None:
+    """The journal enforces the rows: a capability a patch did not declare fails its apply."""
+    import types
+
+    import pytest
+
+    from torch_threadsafe_compile._journal import Changes, UndeclaredCapability
+
+    with pytest.raises(UndeclaredCapability, match="provides"):
+        Changes("export_serial").provide("compile_lock.priority", object())
+    with pytest.raises(UndeclaredCapability, match="requires"):
+        Changes("export_serial").require("compile_lock.priority")
+    with pytest.raises(UndeclaredCapability, match="requires"):
+        Changes("export_serial").redirect_module(types.ModuleType("torch.compiler"), {})
+    with pytest.raises(UndeclaredCapability):
+        Changes("not_in_the_table").require("call_plumbing")
+    # Declared: provided while applied, withdrawn by revert, read by the consumer at call time.
+    consumer = Changes("first_compile").require("call_plumbing")
+    before = list(consumer.values)
+    provider, token = Changes("fx_patcher"), compile("0", "<token>", "eval")
+    provider.provide("call_plumbing", token)
+    assert consumer.values[-1] is token and consumer.get() is token
+    provider.revert()
+    assert consumer.values == before
+
+
+def test_undeclared_use_fails_the_patch_at_apply_time() -> None:
+    """A patch whose apply uses a capability its row does not declare ends ``failed``, reverted."""
+    code = """
+import json, sys, torch, torch._dynamo, torch.export._trace
+from torch_threadsafe_compile import _lifecycle, registry
+from torch_threadsafe_compile.patches import export_serial
+spec = registry.SPECS["export_serial"]
+real_apply = export_serial.apply
+def apply(changes):
+    real_apply(changes)
+    changes.require("compile_lock.priority")  # not in export_serial's row
+export_serial.apply = apply
+import torch_threadsafe_compile as ttc
+ttc.uninstall(); ttc.install()
+ps = _lifecycle.states()["export_serial"]
+print("OUT " + json.dumps({"state": ps.state.value, "reason": ps.reason}))
+"""
+    p = run_py(code, env={"TTC_DISABLE": "0"}, timeout=120)
+    line = [x for x in p.stdout.splitlines() if x.startswith("OUT ")]
+    assert line, p.stderr[-2000:]
+    out = json.loads(line[0][4:])
+    assert out["state"] == "failed" and "UndeclaredCapability" in out["reason"], out
+
+
+def test_capability_handles_come_only_from_the_journal() -> None:
+    """Patches reach a capability only through ``Changes.provide``/``require`` (so the row is checked):
+    nothing outside ``_journal`` touches its store."""
+    import pathlib
+
+    root = pathlib.Path(registry.__file__).parent
+    for path in root.rglob("*.py"):
+        if path.name == "_journal.py":
+            continue
+        text = path.read_text()
+        assert "_capability(" not in text and "_capabilities" not in text, path
 
 
 def test_order_respects_dependencies() -> None:
@@ -206,3 +273,32 @@ def test_fast_version_check_agrees_with_packaging() -> None:
     assert _version_ranges.version_in(Version("2.16.0"), ">=2.13") and not _version_ranges.version_in(Version("2.13.0"), "<2.13")
     assert _version_ranges.parse("2.16.0.dev20261201")[0] == Version("2.16.0")
     assert _version_ranges.parse("banana")[0] is None and "not a version" in (_version_ranges.parse("banana")[1] or "")
+
+
+def test_no_patch_id_list_outside_the_table() -> None:
+    """One table: no code keeps its own list of patch ids (three or more in one literal, or on one line of a
+    shell script), so adding a patch never means finding and editing copies."""
+    import ast
+    import pathlib
+    import re
+
+    root = pathlib.Path(registry.__file__).resolve().parents[1]
+    ids = set(registry.PATCH_MODULES)
+    found = []
+    for top in ("torch_threadsafe_compile", "tests", "bench", "ttc_testing", ".ci", "examples", "sitecustomize"):
+        for path in (root / top).rglob("*"):
+            if path.name == "registry.py" and path.parent.name == "torch_threadsafe_compile":
+                continue
+            if path.suffix == ".py":
+                for node in ast.walk(ast.parse(path.read_text())):
+                    elts = node.elts if isinstance(node, (ast.List, ast.Tuple, ast.Set)) else (
+                        node.keys if isinstance(node, ast.Dict) else [])
+                    named = {e.value for e in elts if isinstance(e, ast.Constant) and e.value in ids}
+                    if len(named) >= 3:
+                        found.append(f"{path.relative_to(root)}:{node.lineno} {sorted(named)}")
+            elif path.suffix == ".sh" or (path.parent.name == ".ci" and path.name == "run"):
+                for n, line in enumerate(path.read_text().splitlines(), 1):
+                    named = set(re.findall(r"\w+", line)) & ids
+                    if len(named) >= 3:
+                        found.append(f"{path.relative_to(root)}:{n} {sorted(named)}")
+    assert not found, "patch id lists outside registry.SPECS:\n" + "\n".join(found)

@@ -23,25 +23,19 @@ TYPE_CHECKING = False  # `typing` is not worth importing at interpreter start; a
 if TYPE_CHECKING:
     from typing import Any
 
-# torch modules whose completed import can make a patch ready. Kept here (not derived from the patch specs)
-# so that start-up does not import the patch modules; tests/test_registry.py checks that it equals
-# ``registry.watched_modules`` of every spec.
-WATCHED = frozenset(
-    {
-        "torch",
-        "torch.fx._symbolic_trace",
-        "torch.fx._lazy_graph_module",
-        "torch.compiler",
-        "torch.utils._config_module",
-        "torch._dynamo",
-        "torch._dynamo.convert_frame",
-        "torch._dynamo.eval_frame",
-        "torch.export._trace",
-        "torch._functorch.aot_autograd",
-        "torch._subclasses.fake_tensor",
-        "torch._inductor.cudagraph_trees",
-    }
-)
+
+
+def _watched() -> frozenset[str]:
+    """The torch modules whose completed import can make a patch ready: the table's (``registry``), read
+    when the program first looks for a torch module, so that a process that never imports torch never
+    loads the table."""
+    try:
+        from torch_threadsafe_compile import registry
+
+        return registry.watched_modules()
+    except Exception as e:  # never break the user's import of torch
+        _activation.warn_once(f"not active ({type(e).__name__}: {e}); torch runs unpatched")
+        return frozenset()
 
 
 class _LoaderProxy:
@@ -82,11 +76,16 @@ class _LoaderProxy:
 class _PostImportFinder:
     """A meta-path finder that finds nothing itself; it only wraps the loader of watched modules."""
 
-    def __init__(self, watched: frozenset[str]) -> None:
-        self.watched = watched
+    def __init__(self) -> None:
+        self.watched: frozenset[str] | None = None  # the table's, once a torch module is looked for
 
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
-        if name not in self.watched:
+        watched = self.watched
+        if watched is None:
+            if name != "torch" and not name.startswith("torch."):
+                return None  # before torch: nothing to watch (and the table stays unread)
+            watched = self.watched = _watched()  # two threads may both read it: the same set
+        if name not in watched:
             return None
         for finder in sys.meta_path:
             if finder is self:
@@ -142,7 +141,7 @@ def activate(how: str) -> bool:
         _report_problems(_env.current().problems)
         if not _activation.start(how):  # disabled
             return False
-        _finder = _PostImportFinder(WATCHED)
+        _finder = _PostImportFinder()
         sys.meta_path.insert(0, _finder)
         if "torch" in sys.modules:
             # Started after torch was imported (explicit install(), or a sitecustomize imported it):

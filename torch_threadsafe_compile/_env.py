@@ -27,15 +27,6 @@ RETIRED = {"TTC_CACHE_DIR": "the package keeps no on-disk cache any more (nothin
 # The watchdog wakes about four times per bound; a compile holds dynamo's lock for longer than this in normal
 # operation, so a shorter bound is a busy loop that only ever reports ordinary compiles.
 WATCHDOG_MIN_S = 0.1
-# The patch ids TTC_DISABLE may name: registry.PATCH_MODULES, kept here so that the interpreter start can
-# check them without importing the registry (tests/test_registry.py checks that the two agree).
-KNOWN_PATCHES = frozenset({
-    "fx_tracing_flag", "fx_patcher", "compile_session_flag", "export_flag", "config_overrides",
-    "dynamic_flags", "compile_import_lock", "compile_lock_watchdog", "export_lock",
-    "export_serial", "lazy_backward", "cuda_device_guard", "first_compile", "cudagraph_trees_per_thread",
-    "cudagraph_rng", "guard_invalidation", "code_reset", "eval_frame_shim", "entry_list_order", "rng_rollback",
-    "lazy_recompile",
-})
 # A bad value is quoted in the warning line up to this many characters (the line stays one line).
 QUOTE_MAX = 40
 
@@ -77,6 +68,13 @@ class Settings:
         )
 
 
+def known_patches() -> frozenset[str]:
+    """The patch ids ``TTC_DISABLE`` may name: the table's (read only when the variable lists ids)."""
+    from torch_threadsafe_compile.registry import SPECS
+
+    return frozenset(SPECS)
+
+
 def read_settings(environ: Mapping[str, str] | None = None) -> Settings:
     env = os.environ if environ is None else environ
     s = Settings()
@@ -93,9 +91,10 @@ def read_settings(environ: Mapping[str, str] | None = None) -> Settings:
             s.problems.append(f"TTC_DISABLE={_quote(raw)} is neither a boolean nor a list of patch ids; ignored")
         else:
             s.disabled_patches = frozenset(ids)
-            unknown = sorted(s.disabled_patches - KNOWN_PATCHES)
+            known_ids = known_patches()
+            unknown = sorted(s.disabled_patches - known_ids)
             if unknown:
-                known = ",".join(sorted(KNOWN_PATCHES))
+                known = ",".join(sorted(known_ids))
                 s.problems.append(f"TTC_DISABLE names unknown patches {_quote(','.join(unknown))}; known: {known}")
 
     raw = env.get("TTC_LOG", "").strip().lower()

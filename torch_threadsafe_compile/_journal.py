@@ -13,7 +13,14 @@ The kinds of edit:
   all see the new behaviour;
 * giving a module a subclass with properties (:class:`ModuleRedirect`), so that ``module.flag`` reads and
   writes from other modules can be redirected to thread-local storage, for good or while known code runs;
-* injecting a name into a module's namespace (what rewritten code reads).
+* injecting a name into a module's namespace (what rewritten code reads);
+* offering a capability to other patches (:meth:`Changes.provide`), and taking one (:meth:`Changes.require`).
+
+Capabilities are the contracts between patches, by name, declared in each patch's row of the table
+(``registry.PatchSpec.provides``/``requires``): the journal refuses an undeclared one at apply time
+(:class:`UndeclaredCapability`), and what a patch provided is withdrawn with its revert. A consumer reads a
+:class:`Capability` at call time, so the order of the two patches does not matter, and falls back to
+upstream's behaviour while nobody provides it (the provider skipped, disabled or reverted).
 
 Also here, because every patch and ``_lifecycle`` share them: the exceptions by which an edit or a patch's
 ``apply`` says no (:class:`TargetMismatch`, :class:`SourceUnavailable`: skipped with the reason;
@@ -51,6 +58,63 @@ class SourceUnavailable(TargetMismatch):
 class TargetBusy(Exception):
     """The target is in use right now (a trace in progress in another thread): the patch is tried again
     shortly, not skipped."""
+
+
+class UndeclaredCapability(Exception):
+    """A patch provided or required a capability that its row of the table does not declare: a bug of the
+    package (the patch fails and is reverted; tests/test_registry.py and the conformance kit see it)."""
+
+
+class Capability:
+    """What patches offer each other under one name (``compile_lock.priority``, ``call_plumbing``, ...).
+
+    ``values`` is one list for the life of the process, changed in place by providers (in the order they
+    applied) and by their reverts: a consumer may keep a reference to it, or call :meth:`get` for the newest.
+    One instance per name (:func:`_capability`); patches reach it only through ``Changes.provide``/``require``.
+    """
+
+    __slots__ = ("name", "values", "providers")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.values: list[Any] = []
+        self.providers: list[str] = []  # patch id of each value, same order
+
+    def get(self) -> Any:
+        """The newest provided value, or None while no applied patch provides it."""
+        values = self.values
+        return values[-1] if values else None
+
+    def __repr__(self) -> str:
+        return f"Capability({self.name!r}, providers={self.providers})"
+
+
+_capabilities: dict[str, Capability] = {}
+_capabilities_lock = threading.Lock()
+
+
+def _capability(name: str) -> Capability:
+    with _capabilities_lock:
+        cap = _capabilities.get(name)
+        if cap is None:
+            cap = _capabilities[name] = Capability(name)
+        return cap
+
+
+def capabilities() -> dict[str, Capability]:
+    """Every capability some patch provided or required in this process (for ``doctor`` and the tests)."""
+    with _capabilities_lock:
+        return dict(_capabilities)
+
+
+def _declared(patch_id: str, field: str, name: str) -> None:
+    """Raise unless the table's row of ``patch_id`` lists ``name`` in ``field`` (``provides``/``requires``)."""
+    from torch_threadsafe_compile.registry import SPECS
+
+    spec = SPECS.get(patch_id)
+    if spec is None or name not in getattr(spec, field):
+        raise UndeclaredCapability(f"patch {patch_id} uses capability {name!r} without declaring it in its "
+                                   f"row's {field} (registry.SPECS)")
 
 
 class Edit:
@@ -164,6 +228,8 @@ class Changes:
     def redirect_module(self, module: types.ModuleType, properties: dict[str, property], permanent: bool = True) -> ModuleRedirect:
         """Put ``properties`` on the module's :class:`ModuleRedirect` class. ``permanent``: the module wears
         that class from now until revert; otherwise only while something holds the redirect."""
+        # One redirect class per module, shared by the patches that redirect its globals: declared by each.
+        _declared(self.patch_id, "requires", redirect_capability(module.__name__))
         redirect = ModuleRedirect.of(module)
         edits = []
         for name, prop in properties.items():
@@ -204,17 +270,29 @@ class Changes:
         else:
             self._undo.append(lambda: namespace.pop(name, None))
 
-    def add_to(self, shared: list[Any], item: Any) -> None:
-        """Put ``item`` into a list that other patches read (``_torch.call_plumbing``); revert takes it out."""
-        shared.append(item)
+    def provide(self, name: str, value: Any) -> None:
+        """Offer ``value`` to other patches as capability ``name`` (declared in this patch's ``provides``);
+        revert withdraws it."""
+        _declared(self.patch_id, "provides", name)
+        cap = _capability(name)
+        with _capabilities_lock:
+            cap.values.append(value)
+            cap.providers.append(self.patch_id)
 
         def undo() -> None:
-            for i in range(len(shared) - 1, -1, -1):
-                if shared[i] is item:  # identity: code objects compare by value
-                    del shared[i]
-                    break
+            with _capabilities_lock:
+                for i in range(len(cap.values) - 1, -1, -1):
+                    if cap.values[i] is value:  # identity: code objects compare by value
+                        del cap.values[i], cap.providers[i]
+                        break
 
         self._undo.append(undo)
+
+    def require(self, name: str) -> Capability:
+        """The capability ``name`` (declared in this patch's ``requires``), to read at call time: what its
+        providers offer while they are applied, in whatever order the patches applied."""
+        _declared(self.patch_id, "requires", name)
+        return _capability(name)
 
     def on_revert(self, fn: Callable[[], None]) -> None:
         self._undo.append(fn)
@@ -302,6 +380,17 @@ class ModuleRedirect:
             k = k.__bases__[0] if k.__bases__[0] is not object else None
         if k is not None and k.__bases__ and k.__bases__[0] is cls:
             k.__bases__ = (self.base,) + k.__bases__[1:]
+
+
+def redirect_capability(module_name: str) -> str:
+    """The capability a patch declares to redirect globals of ``module_name`` (the class is shared)."""
+    return f"redirect:{module_name}"
+
+
+@_forksafe.in_child
+def _capabilities_after_fork() -> None:
+    global _capabilities_lock
+    _capabilities_lock = threading.Lock()
 
 
 @_forksafe.in_child

@@ -83,7 +83,7 @@ class PatchState:
     def impl(self) -> Patch:
         """The patch module, imported on first use: only once its torch modules are there and it is about
         to be checked (the registry's spec table decides everything before that)."""
-        return cast(Patch, importlib.import_module(f"torch_threadsafe_compile.patches.{self.spec.id}"))
+        return cast(Patch, importlib.import_module(self.spec.module))
 
 
 _lock = threading.RLock()

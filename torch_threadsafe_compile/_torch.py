@@ -9,7 +9,14 @@ import sys
 import threading
 import types
 from contextvars import ContextVar
-from typing import Any, Callable, ContextManager
+from typing import TYPE_CHECKING, Any, Callable, ContextManager
+
+# The releases whose sources were read for code outside ``torch.compiler`` that uses its flags live in the
+# table (registry.py), so that a new torch release is one edit there.
+from torch_threadsafe_compile.registry import COMPILER_FLAG_USERS_KNOWN
+
+if TYPE_CHECKING:
+    from torch_threadsafe_compile._journal import Capability
 
 __all__ = [
     "loaded", "present_callables", "compile_lock", "holds_compile_lock", "compile_lock_waiters", "compile_lock_or_null",
@@ -55,12 +62,12 @@ def compile_lock_or_null() -> ContextManager[Any]:
     return lock if lock is not None else contextlib.nullcontext()
 
 
-def compile_lock_first() -> ContextManager[Any]:
+def compile_lock_first(priority: Capability) -> ContextManager[Any]:
     """dynamo's ``compile_lock`` for a short holder (an FX trace, an export's overrides): ahead of compiles
-    that do not hold it yet, when ``compile_lock_watchdog`` has instrumented it (see ``watchdog``)."""
-    lock = compile_lock()
-    priority = getattr(lock, "priority", None)
-    return priority() if priority is not None else compile_lock_or_null()
+    that do not hold it yet while ``compile_lock_watchdog`` provides ``priority`` (capability
+    ``compile_lock.priority``, see ``watchdog``); else the lock as upstream has it."""
+    enter = priority.get()
+    return enter() if enter is not None else compile_lock_or_null()
 
 
 def holds_compile_lock() -> bool:
@@ -69,13 +76,11 @@ def holds_compile_lock() -> bool:
     return bool(is_owned()) if callable(is_owned) else False
 
 
-def compile_lock_waiters() -> frozenset[int] | None:
-    """The threads waiting for dynamo's ``compile_lock`` now, or None when nobody records them (the lock is
-    not instrumented: ``compile_lock_watchdog`` off)."""
-    waiting = getattr(compile_lock(), "waiting", None)
-    if not isinstance(waiting, dict):
-        return None
-    return frozenset(waiting.copy())  # one C call: other threads add and remove themselves meanwhile
+def compile_lock_waiters(waiters: Capability) -> frozenset[int] | None:
+    """The threads waiting for dynamo's ``compile_lock`` now, or None when nobody records them (capability
+    ``compile_lock.waiters`` not provided: ``compile_lock_watchdog`` off)."""
+    list_waiters = waiters.get()
+    return list_waiters() if list_waiters is not None else None
 
 
 def skip_code(code: types.CodeType) -> bool:
@@ -136,14 +141,6 @@ def reset_config_caches(module: Any) -> None:
         module.__dict__["_is_dirty"] = True
 
 
-# -- call plumbing ----------------------------------------------------------------------------------------
-
-# Code objects of our own that may stand between a compiled module's ``compile_wrapper`` and its
-# ``forward`` without running anything of the program's (fx_patcher's dispatcher while another thread's FX
-# trace has ``Module.__call__`` patched). Patches register them here; first_compile treats them as plumbing.
-call_plumbing: list[types.CodeType] = []  # compared by identity (code equality hashes constants)
-
-
 # -- the program's own threads (H7: process-wide random-number state) --------------------------------------
 
 # Threads that libraries start for their own work and that draw none of the program's random numbers:
@@ -171,14 +168,6 @@ def program_threads_started() -> bool:
 
 
 # -- torch.compiler's flags outside their module ----------------------------------------------------------
-
-# The releases whose sources were read for code outside ``torch.compiler`` that reads or writes
-# ``torch.compiler._is_compiling_flag`` / ``_is_exporting_flag``: 2.11, 2.13 and 2.15 (2.12 and 2.14 lie
-# between with the same code). The writer is ``torch._export.utils._compiling_state_context``, the context
-# of an export; the only other reader, dynamo's tracing of ``is_exporting()`` (``_dynamo/variables/torch.py``),
-# runs inside it when it matters. Outside this range nothing is assumed: the flags stay redirected for good.
-COMPILER_FLAG_USERS_KNOWN = ">=2.11,<2.16"
-
 
 def compiler_flag_users(template: Callable[..., Any]) -> list[tuple[types.FunctionType, Callable[..., Any]]] | None:
     """``_rewrite.thread_local_global``'s ``held_by`` for a flag of ``torch.compiler``: the generator function

@@ -1,17 +1,25 @@
-"""The patch registry: which patches exist, in which order, and what each declares about itself.
+"""The patch table: every patch, in order, and everything the rest of the package knows about it.
 
-It holds specs, not logic (OpenTelemetry-instrumentor style). Each patch lives in its own module under
-``torch_threadsafe_compile/patches/``, named after what it fixes, and provides:
+This is the one place a patch is declared (OpenTelemetry-instrumentor style: specs, not logic). Everything
+else reads it: ``TTC_DISABLE``'s ids (``_env``), the modules the interpreter-start hook watches
+(``_bootstrap``), the lifecycle and ``doctor``, the capabilities patches hand each other (``_journal``), the
+conformance kit (``ttc_testing/conformance.py``, ``tests/test_conformance.py``) and CI's patch suite
+(``.ci/patch_suite.py``). Data only, standard library only: it is imported at the first ``import torch``,
+never at interpreter start, and never imports a patch module.
 
-* ``SPEC``: a :class:`PatchSpec` (hazard id, the torch versions it covers, the upstream issue, the torch
-  modules it needs, the patches it must follow);
+Each patch lives in its own module (``PatchSpec.module``, by default ``patches/<id>.py``), named after what
+it fixes, and provides:
+
+* ``SPEC``: its row here (``SPEC = SPECS["<id>"]``);
 * ``check()``: why its target does not look as expected on this torch, or None;
 * ``apply(changes)``: every edit through the :class:`~torch_threadsafe_compile._journal.Changes` journal,
-  so that revert is exact;
+  so that revert is exact; capabilities it offers (``changes.provide``) or reads (``changes.require``) are
+  declared in its row (``provides``/``requires``), or the journal refuses them;
 * ``verify()``: raises if the patch does not work (then everything it did is reverted);
 * optionally ``report()``: statistics for ``status()``.
 
-When each one runs is decided by :mod:`torch_threadsafe_compile._lifecycle`.
+Adding a patch: one module under ``patches/``, one row in :data:`SPECS`, one scenario in ``ttc_testing`` and
+its hazard test (named in the row). When each patch runs is decided by :mod:`torch_threadsafe_compile._lifecycle`.
 """
 
 from __future__ import annotations
@@ -21,7 +29,10 @@ from typing import TYPE_CHECKING, Any, Mapping, Protocol
 if TYPE_CHECKING:
     from torch_threadsafe_compile._journal import Changes
 
-__all__ = ["Frozen", "PatchSpec", "Patch", "SPECS", "PATCH_MODULES"]
+__all__ = ["Frozen", "PatchSpec", "Patch", "SPECS", "PATCH_MODULES", "CORE_CAPABILITIES", "COMPILER_FLAG_USERS_KNOWN",
+           "watched_modules", "capability_providers", "patch_test_files"]
+
+PATCHES_PACKAGE = "torch_threadsafe_compile.patches"
 
 
 class Frozen:
@@ -45,28 +56,40 @@ class Frozen:
 
 
 class PatchSpec(Frozen):
-    """What a patch declares about itself. See any module in ``patches/`` for an example."""
+    """One row of the table: what a patch declares about itself. See any module in ``patches/``."""
 
-    __slots__ = ("id", "hazard", "summary", "upstream", "torch_versions", "modules", "fixed_in", "after", "uses",
-                 "free_threaded")
+    __slots__ = ("id", "hazard", "summary", "upstream", "torch_versions", "modules", "fixed_in", "after",
+                 "provides", "requires", "free_threaded", "module", "scenario", "test")
 
-    id: str  # equal to the module name
-    hazard: str  # H1 ... H9 (docs/hazards.md)
+    id: str  # also the name TTC_DISABLE takes and status() reports
+    hazard: str  # H1 ... (docs/hazards.md)
     summary: str
     upstream: str  # the upstream issue / PR behind the hazard
     torch_versions: str  # a packaging specifier set, e.g. ">=2.4,<2.14"
-    modules: tuple[str, ...]  # torch modules that must have been imported before it can apply
+    modules: tuple[str, ...]  # torch modules that must have been imported before it can apply (watched)
     fixed_in: str | None  # first torch release where upstream fixed the hazard
     after: tuple[str, ...]  # patches that must be settled (applied or skipped) first
-    # Patches whose changes it picks up at call time when they are applied, in any order (no waiting):
-    # the contracts between patches that no import shows (tests/test_registry.py checks they exist).
-    uses: tuple[str, ...]
+    # Capabilities (by name) it offers other patches, and those it reads at call time (from whichever
+    # patch provides them, applied in any order; without a provider it keeps upstream's behaviour). The
+    # journal refuses undeclared ones (_journal.Changes.provide/require; "redirect:<module>" for a
+    # module's shared redirect class).
+    provides: tuple[str, ...]
+    requires: tuple[str, ...]
     free_threaded: bool  # the hazard needs free-threaded CPython (GIL off): skipped on GIL builds
+    module: str  # the module that implements it (imported only when it is about to be checked)
+    scenario: str | None  # the ttc_testing scenario that shows its hazard (python -m ttc_testing.scenarios NAME)
+    test: str  # its hazard test (path::function): the hazard with TTC_DISABLE=1, not active; in CI's patch suite
 
     def __init__(self, *, id: str, hazard: str, summary: str, upstream: str, torch_versions: str,
-                 modules: tuple[str, ...], fixed_in: str | None = None, after: tuple[str, ...] = (),
-                 uses: tuple[str, ...] = (), free_threaded: bool = False) -> None:
-        self._set(id, hazard, summary, upstream, torch_versions, modules, fixed_in, after, uses, free_threaded)
+                 modules: tuple[str, ...], test: str, scenario: str | None = None, fixed_in: str | None = None,
+                 after: tuple[str, ...] = (), provides: tuple[str, ...] = (), requires: tuple[str, ...] = (),
+                 free_threaded: bool = False, module: str | None = None) -> None:
+        self._set(id, hazard, summary, upstream, torch_versions, modules, fixed_in, after, provides, requires,
+                  free_threaded, module or f"{PATCHES_PACKAGE}.{id}", scenario, test)
+
+    @property
+    def test_file(self) -> str:
+        return self.test.split("::", 1)[0]
 
 
 class Patch(Protocol):
@@ -98,6 +121,9 @@ SPECS: dict[str, PatchSpec] = {
             torch_versions=">=2.4,<2.14",
             fixed_in="2.14",
             modules=("torch.fx._symbolic_trace",),
+            requires=("redirect:torch.fx._symbolic_trace",),
+            scenario="fx_flag_leak",
+            test="tests/test_hazards.py::test_h1_no_false_nested_trace_errors",
         ),
         PatchSpec(
             id="fx_patcher",
@@ -107,7 +133,10 @@ SPECS: dict[str, PatchSpec] = {
             torch_versions=">=2.4",
             modules=("torch.fx._symbolic_trace",),
             after=("fx_tracing_flag",),
-            uses=("compile_lock_watchdog",),  # priority for its traces (_torch.compile_lock_first), when applied
+            provides=("call_plumbing",),
+            requires=("redirect:torch.fx._symbolic_trace", "compile_lock.priority"),
+            scenario="fx_patcher_leak",
+            test="tests/test_hazards.py::test_h7_fx_symbolic_trace_patches_only_its_own_thread",
         ),
         PatchSpec(
             id="compile_session_flag",
@@ -118,6 +147,9 @@ SPECS: dict[str, PatchSpec] = {
             # Only dynamo's compile session and export (which imports dynamo) ever set the flag: applied when
             # torch._dynamo is imported, not during `import torch` (docs/performance.md).
             modules=("torch.compiler", "torch._dynamo"),
+            requires=("redirect:torch.compiler",),
+            scenario="is_compiling_leak",
+            test="tests/test_hazards.py::test_h2_is_compiling_only_in_the_compiling_thread",
         ),
         PatchSpec(
             id="export_flag",
@@ -127,6 +159,9 @@ SPECS: dict[str, PatchSpec] = {
             torch_versions=">=2.7",  # the flag exists from 2.7 (docs/compat.md: it leaks on 2.7 and 2.8 too)
             modules=("torch.compiler", "torch._dynamo"),  # set only by export and dynamo, as above
             after=("compile_session_flag",),
+            requires=("redirect:torch.compiler",),
+            scenario="export_flag_poll",
+            test="tests/test_hazards.py::test_h7_is_exporting_only_in_the_exporting_thread",
         ),
         PatchSpec(
             id="config_overrides",
@@ -135,6 +170,8 @@ SPECS: dict[str, PatchSpec] = {
             upstream="pytorch/pytorch#118260 (config patching across threads); ContextVar overrides since 2.12",
             torch_versions=">=2.12",
             modules=("torch.utils._config_module",),
+            scenario="config_threads",
+            test="tests/test_hazards.py::test_h6_assignments_reach_every_thread_patches_stay_local",
         ),
         PatchSpec(
             id="dynamic_flags",
@@ -144,6 +181,8 @@ SPECS: dict[str, PatchSpec] = {
             torch_versions=">=2.4,<2.12",
             modules=("torch.utils._config_module", "torch._dynamo"),  # verify reads dynamo's config
             fixed_in="2.12",
+            scenario="dynamic_flag_poll",
+            test="tests/test_hazards.py::test_h5_dynamic_flags_stay_in_the_calling_thread",
         ),
         PatchSpec(
             id="compile_import_lock",
@@ -152,6 +191,8 @@ SPECS: dict[str, PatchSpec] = {
             upstream="Python's per-module import locks and torch._dynamo's import cycles; torch.compile imports dynamo lazily",
             torch_versions=">=2.4",
             modules=("torch",),
+            scenario="first_import",
+            test="tests/test_stress.py::test_h7_first_calls_from_many_threads_import_dynamo_safely",
         ),
         PatchSpec(
             id="compile_lock_watchdog",
@@ -160,6 +201,8 @@ SPECS: dict[str, PatchSpec] = {
             upstream="compile_fx_backward takes compile_lock (torch 2.6+); see lazy_backward",
             torch_versions=">=2.4",
             modules=("torch._dynamo.convert_frame",),
+            provides=("compile_lock.priority", "compile_lock.waiters"),
+            test="tests/test_lazy_backward.py::test_h4_a_blocked_compile_lock_is_reported_only_with_the_package",
         ),
         PatchSpec(
             id="export_lock",
@@ -168,7 +211,9 @@ SPECS: dict[str, PatchSpec] = {
             upstream="pytorch/pytorch#105943 (PT2 is not thread safe); export patches op.py_kernels process-wide",
             torch_versions=">=2.4",
             modules=("torch.export._trace", "torch._dynamo.convert_frame"),
-            uses=("compile_lock_watchdog",),  # priority for the overrides (_torch.compile_lock_first), when applied
+            requires=("compile_lock.priority",),
+            scenario="export_vs_compile",
+            test="tests/test_hazards.py::test_h7_export_does_not_break_other_threads_compiles",
         ),
         PatchSpec(
             id="export_serial",
@@ -177,6 +222,8 @@ SPECS: dict[str, PatchSpec] = {
             upstream="pytorch/pytorch#105943 (PT2 is not thread safe); _EXPORT_MODULE_HIERARCHY/_EXPORT_FLAGS are module globals",
             torch_versions=">=2.4",
             modules=("torch.export._trace",),
+            scenario="concurrent_exports",
+            test="tests/test_hazards.py::test_h7_exports_from_two_threads_take_turns",
         ),
         PatchSpec(
             id="lazy_backward",
@@ -187,6 +234,8 @@ SPECS: dict[str, PatchSpec] = {
                       "switch force_non_lazy_backward_lowering (2.9+)"),
             torch_versions=">=2.6",
             modules=("torch._functorch.aot_autograd",),
+            scenario="backward_lock_wait",
+            test="tests/test_lazy_backward.py::test_h4_backward_on_a_worker_device_is_compiled_with_the_forward",
         ),
         PatchSpec(
             id="cuda_device_guard",
@@ -197,6 +246,7 @@ SPECS: dict[str, PatchSpec] = {
                       "FakeTensorMode.__enter__ calls _ensureCUDADeviceGuardSet"),
             torch_versions=">=2.10",
             modules=("torch._subclasses.fake_tensor",),
+            test="tests/test_stress.py::test_h3_cuda_build_without_gpu_does_not_crash",
         ),
         PatchSpec(
             id="guard_invalidation",
@@ -207,6 +257,8 @@ SPECS: dict[str, PatchSpec] = {
                 "CheckFunctionManager.invalidate frees the RootGuardManager that lookup() may be evaluating"),
             torch_versions=">=2.6",
             modules=("torch._dynamo",),  # its import completes after guards.py (no new post-import hook)
+            scenario="guard_invalidation_race",
+            test="tests/test_crash_hazards.py::test_h8_guard_invalidation_during_lookups_does_not_crash",
         ),
         PatchSpec(
             id="code_reset",
@@ -218,6 +270,8 @@ SPECS: dict[str, PatchSpec] = {
                 "other threads' lookup() and compiles hold"),
             torch_versions=">=2.6",
             modules=("torch._dynamo",),  # its import completes after eval_frame, convert_frame and guards
+            scenario="export_beside_calls",
+            test="tests/test_crash_hazards.py::test_h9_export_beside_compiled_calls_does_not_crash",
         ),
         PatchSpec(
             id="eval_frame_shim",
@@ -229,6 +283,8 @@ SPECS: dict[str, PatchSpec] = {
             torch_versions=">=2.4",
             modules=("torch._dynamo.eval_frame",),
             free_threaded=True,
+            scenario="warm_calls",
+            test="tests/test_freethreaded.py::test_warm_calls_without_gil",
         ),
         PatchSpec(
             id="entry_list_order",
@@ -240,6 +296,8 @@ SPECS: dict[str, PatchSpec] = {
             torch_versions=">=2.4",
             modules=("torch._dynamo.eval_frame",),
             free_threaded=True,
+            scenario="lookup_race",
+            test="tests/test_freethreaded.py::test_lookup_race_without_gil",
         ),
         PatchSpec(
             id="first_compile",
@@ -249,7 +307,9 @@ SPECS: dict[str, PatchSpec] = {
             torch_versions=">=2.4",
             modules=("torch._dynamo", "torch._dynamo.eval_frame", "torch._dynamo.convert_frame"),
             after=("compile_lock_watchdog",),
-            uses=("fx_patcher",),  # its dispatcher is call plumbing between compile_wrapper and forward (_torch)
+            requires=("call_plumbing", "compile_lock.waiters"),
+            scenario="stampede",
+            test="tests/test_hazards.py::test_h3_one_compile_per_stampede",
         ),
         PatchSpec(
             id="cudagraph_trees_per_thread",
@@ -260,6 +320,7 @@ SPECS: dict[str, PatchSpec] = {
             torch_versions=">=2.4,<2.13",
             fixed_in="2.13",
             modules=("torch._inductor.cudagraph_trees", "torch._dynamo.eval_frame"),
+            test="tests/test_cudagraph_threads.py::test_h7_cudagraph_layouts_cuda",
         ),
         PatchSpec(
             id="cudagraph_rng",
@@ -270,6 +331,7 @@ SPECS: dict[str, PatchSpec] = {
             torch_versions=">=2.4",
             modules=("torch._inductor.cudagraph_trees",),
             after=("cudagraph_trees_per_thread",),
+            test="tests/test_cudagraph_rng.py::test_h7_rng_rollback_repeats_other_threads_numbers_and_patch_stops_it",
         ),
         PatchSpec(
             id="lazy_recompile",
@@ -279,6 +341,8 @@ SPECS: dict[str, PatchSpec] = {
                 "rewrites the shared graph's node repr functions while it generates code",
             torch_versions=">=2.4",
             modules=("torch.fx._lazy_graph_module",),
+            scenario="lazy_recompile_race",
+            test="tests/test_hazards.py::test_h7_first_calls_of_a_shared_lazy_graph_module_generate_working_code",
         ),
         PatchSpec(
             id="rng_rollback",
@@ -288,12 +352,40 @@ SPECS: dict[str, PatchSpec] = {
                 "restore the process-wide generator states after every compile",
             torch_versions=">=2.4",
             modules=("torch._dynamo.convert_frame",),
+            scenario="compile_rng_rollback",
+            test="tests/test_hazards.py::test_h7_compiles_do_not_roll_back_other_threads_random_numbers",
         ),
     )
 }
 PATCH_MODULES: tuple[str, ...] = tuple(SPECS)
 
+# Capabilities the package's core offers every patch that declares them: the shared redirect class of each
+# module whose globals patches make per-thread (``_journal.Changes.redirect_module``).
+CORE_CAPABILITIES = frozenset({"redirect:torch.compiler", "redirect:torch.fx._symbolic_trace"})
 
-def watched_modules(specs: list[PatchSpec]) -> frozenset[str]:
+# The torch releases whose sources were read for code outside ``torch.compiler`` that reads or writes
+# ``torch.compiler._is_compiling_flag`` / ``_is_exporting_flag``: 2.11, 2.13 and 2.15 (2.12 and 2.14 lie
+# between with the same code). The writer is ``torch._export.utils._compiling_state_context``, the context
+# of an export; the only other reader, dynamo's tracing of ``is_exporting()`` (``_dynamo/variables/torch.py``),
+# runs inside it when it matters. Outside this range nothing is assumed: the flags stay redirected for good
+# (``_torch.compiler_flag_users``). A new torch release: read its sources, then widen this.
+COMPILER_FLAG_USERS_KNOWN = ">=2.11,<2.16"
+
+
+def watched_modules(specs: list[PatchSpec] | None = None) -> frozenset[str]:
     """Every torch module whose completed import can make a patch ready (what the bootstrap must watch)."""
-    return frozenset({"torch", *(m for s in specs for m in s.modules)})
+    return frozenset({"torch", *(m for s in (list(SPECS.values()) if specs is None else specs) for m in s.modules)})
+
+
+def capability_providers() -> dict[str, tuple[str, ...]]:
+    """``{capability: ids of the patches that provide it}`` (``()`` for the core's)."""
+    out: dict[str, tuple[str, ...]] = dict.fromkeys(CORE_CAPABILITIES, ())
+    for spec in SPECS.values():
+        for name in spec.provides:
+            out[name] = out.get(name, ()) + (spec.id,)
+    return out
+
+
+def patch_test_files() -> list[str]:
+    """The hazard-test files the rows name, in table order without repeats (CI's patch suite reads them)."""
+    return list(dict.fromkeys(spec.test_file for spec in SPECS.values()))

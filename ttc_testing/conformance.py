@@ -11,6 +11,8 @@ module some patch waits for, so that every patch that fits this torch applies, a
   journal kept, identity included; a module that wore a redirect class wears its own again; the journal
   holds nothing of the patch;
 * **install again**: the same attributes are edited again (a round trip, not a one-way door);
+* **capabilities**: an applied patch provides every capability its row declares (``provides``), and
+  ``uninstall()`` withdraws them (a consumer falls back to upstream's behaviour);
 * **fork**: for each lock at module level in the patch's modules, a fork while another thread holds it
   leaves a child in which that lock can be taken (the module registered a reset with ``_forksafe``) and a
   new function compiles and runs.
@@ -70,7 +72,9 @@ def _missing() -> Any:
 
 def _patch_modules(patch_id: str) -> list[types.ModuleType]:
     """The patch's module and, for a package (first_compile), every module in it."""
-    mod = importlib.import_module(f"torch_threadsafe_compile.patches.{patch_id}")
+    from torch_threadsafe_compile import registry
+
+    mod = importlib.import_module(registry.SPECS[patch_id].module)
     mods = [mod]
     if hasattr(mod, "__path__"):
         for info in pkgutil.iter_modules(mod.__path__):
@@ -191,6 +195,9 @@ def main() -> int:
         res["edits"] = [_label(e) for e in edits.get(pid, [])]
         if before[pid].get("replaced_by_others"):
             res["problems"].append(f"replaced by others: {before[pid]['replaced_by_others']}")
+        missing = set(registry.SPECS[pid].provides) - _provided_by(pid)
+        if missing:
+            res["problems"].append(f"applied without providing what its row declares: {sorted(missing)}")
         for e in edits.get(pid, []):
             if e.new is e.original:
                 res["problems"].append(f"{_label(e)}: the edit's new value is its original")
@@ -218,6 +225,8 @@ def main() -> int:
             result[pid]["problems"].append(f"after uninstall() the journal still holds {len(left[pid])} edit(s)")
         if after[pid]["state"] == "applied":
             result[pid]["problems"].append("still applied after uninstall()")
+        if _provided_by(pid):
+            result[pid]["problems"].append(f"after uninstall() it still provides {sorted(_provided_by(pid))}")
     for first in oldest:
         problems = result[first.patch_id]["problems"]
         now = _current(first)
@@ -232,6 +241,8 @@ def main() -> int:
     for pid in applied:
         if sorted(_label(e) for e in redo.get(pid, [])) != sorted(result[pid]["edits"]):
             result[pid]["problems"].append("install() after uninstall() edited other attributes than the first")
+        if _provided_by(pid) != set(registry.SPECS[pid].provides):
+            result[pid]["problems"].append("install() after uninstall() did not provide its capabilities again")
 
     # 5. Fork while each module-level lock of the patch is held by another thread.
     for pid in result:
@@ -253,6 +264,13 @@ def main() -> int:
 
     print("CONFORMANCE " + json.dumps({"torch": torch.__version__, "patches": result, "core": core}), flush=True)
     return 0
+
+
+def _provided_by(patch_id: str) -> set[str]:
+    """The capabilities ``patch_id`` provides now (from the journal's store, not from its row)."""
+    from torch_threadsafe_compile import _journal
+
+    return {name for name, cap in _journal.capabilities().items() if patch_id in cap.providers}
 
 
 def _journal_stacks() -> list[list[Any]]:

@@ -49,6 +49,9 @@ def apply(changes: Changes) -> dict[str, Any]:
     changes.setattr(cf, "compile_lock", lock)
     watchdog.watch(lock)
     changes.on_revert(watchdog.unwatch)
+    # For short holders (fx_patcher, export_lock) and for resets that must know who waits (first_compile).
+    changes.provide("compile_lock.priority", lock.priority)
+    changes.provide("compile_lock.waiters", lambda: frozenset(lock.waiting.copy()))  # one C call: threads come and go
 
     seconds = _env.current().watchdog_s
     if seconds:

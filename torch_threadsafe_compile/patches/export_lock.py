@@ -21,7 +21,7 @@ import contextlib
 import functools
 from typing import Any, Callable, Iterator
 
-from torch_threadsafe_compile._journal import Changes
+from torch_threadsafe_compile._journal import Capability, Changes
 from torch_threadsafe_compile._torch import compile_lock, compile_lock_first, present_callables
 from torch_threadsafe_compile.registry import SPECS
 
@@ -46,11 +46,11 @@ def check() -> str | None:
     return None
 
 
-def _locked(original: Callable[..., Any]) -> Callable[..., Any]:
+def _locked(original: Callable[..., Any], priority: Capability) -> Callable[..., Any]:
     @functools.wraps(original)
     @contextlib.contextmanager
     def held(*args: Any, **kwargs: Any) -> Iterator[Any]:
-        with compile_lock_first():  # ahead of compiles that do not hold the lock yet (see watchdog)
+        with compile_lock_first(priority):  # ahead of compiles that do not hold the lock yet (see watchdog)
             with original(*args, **kwargs) as value:
                 yield value
 
@@ -60,8 +60,9 @@ def _locked(original: Callable[..., Any]) -> Callable[..., Any]:
 def apply(changes: Changes) -> dict[str, Any]:
     # The modules call these by their global name at call time, so replacing the attribute reaches them.
     wrapped = []
+    priority = changes.require("compile_lock.priority")  # ahead of queued compiles, while the watchdog provides it
     for mod, attr in _present():
-        changes.setattr(mod, attr, _locked(getattr(mod, attr)))
+        changes.setattr(mod, attr, _locked(getattr(mod, attr), priority))
         wrapped.append(f"{mod.__name__}.{attr}")
     return {"wrapped": wrapped}
 

@@ -38,7 +38,7 @@ from typing import Any, Callable, Iterator
 from torch_threadsafe_compile import _forksafe
 from torch_threadsafe_compile._journal import Changes, TargetBusy, run_in_thread
 from torch_threadsafe_compile._rewrite import thread_local_global
-from torch_threadsafe_compile._torch import call_plumbing, compile_lock_first, loaded, skip_code
+from torch_threadsafe_compile._torch import compile_lock_first, loaded, skip_code
 from torch_threadsafe_compile.registry import SPECS
 
 SPEC = SPECS["fx_patcher"]
@@ -205,13 +205,14 @@ def apply(changes: Changes) -> dict[str, Any]:
     if mod.__dict__["CURRENT_PATCHER"] is not None:
         raise TargetBusy("a symbolic trace is in progress")
     thread_local_global(changes, mod, "CURRENT_PATCHER", users)
-    changes.add_to(call_plumbing, DISPATCH_CODE)
+    changes.provide("call_plumbing", DISPATCH_CODE)  # first_compile: no program code between wrapper and forward
+    priority = changes.require("compile_lock.priority")
 
     original_new_patcher = mod.__dict__["_new_patcher"]
 
     @contextlib.contextmanager
     def _new_patcher() -> Iterator[Any]:
-        with compile_lock_first():  # see the module docstring: no compile sees a patched slot
+        with compile_lock_first(priority):  # see the module docstring: no compile sees a patched slot
             with original_new_patcher() as patcher:
                 yield patcher
 

@@ -104,7 +104,8 @@ def apply(changes: Changes) -> dict[str, Any]:
     gates = ContinuationGates(enabled=can_skip)
     frame_return = getattr(cf, "ConvertFrameReturn", None)  # torch >= 2.9 (with non-recursive disable)
     callback = FrameCallback(cf.CatchErrorsWrapper.__dict__["__call__"], cw_code, gates,
-                             skip_frame=lambda: frame_return(apply_to_code=False) if frame_return else None)
+                             skip_frame=lambda: frame_return(apply_to_code=False) if frame_return else None,
+                             plumbing=changes.require("call_plumbing").values)
 
     def gate_compiled(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
         result = wrapped(*args, **kwargs)
@@ -122,9 +123,10 @@ def apply(changes: Changes) -> dict[str, Any]:
             changes.on_revert(handle.remove)
     changes.setattr(cf.CatchErrorsWrapper, "__call__", callback.install())
     dynamo = loaded("torch._dynamo")
+    waiters = changes.require("compile_lock.waiters")  # who waits for compile_lock, while the watchdog records it
     for name in RESET_FUNCTIONS:  # a reset waits for other threads' gated calls (_reset)
         if callable(getattr(dynamo, name, None)):
-            changes.setattr(dynamo, name, _reset.wrap_reset(getattr(dynamo, name), _reset.barrier, callback.forget))
+            changes.setattr(dynamo, name, _reset.wrap_reset(getattr(dynamo, name), _reset.barrier, callback.forget, waiters))
     _installed[:] = [callback]
     changes.on_revert(_installed.clear)
     return {}

@@ -20,7 +20,7 @@ import time
 import types
 from typing import Any, Callable
 
-from torch_threadsafe_compile._torch import call_plumbing, compile_lock
+from torch_threadsafe_compile._torch import compile_lock
 from torch_threadsafe_compile.patches.first_compile import _calls, _flights
 from torch_threadsafe_compile.patches.first_compile._cache_probe import CacheProbe, backend_of
 from torch_threadsafe_compile.patches.first_compile._calls import GateCall, Retry
@@ -32,13 +32,13 @@ _MODULE_FILE = os.path.join("torch", "nn", "modules", "module.py")
 _MODULE_PLUMBING = ("_call_impl", "_wrapped_call_impl")
 
 
-def first_frame_gate(caller: Any, cw_code: types.CodeType) -> Any:
+def first_frame_gate(caller: Any, cw_code: types.CodeType, plumbing: list[types.CodeType]) -> Any:
     """The gate frame of the gated call whose first real frame is the frame being compiled (called from
     ``caller``), or None when that frame is not the first frame of a gated call.
 
     Between dynamo's ``compile_wrapper`` and that frame there may only be ``nn.Module``'s call plumbing
     (``torch.compile(module)`` wraps ``module.__call__``; ``module.compile()`` wraps ``_call_impl``) and
-    registered plumbing of ours (``_torch.call_plumbing``). A continuation called through its gate is a
+    registered plumbing of ours (``plumbing``: the values of capability ``call_plumbing``). A continuation called through its gate is a
     first frame too. Anything else (a function called from compiled code): None.
     """
     if caller is None:
@@ -49,7 +49,7 @@ def first_frame_gate(caller: Any, cw_code: types.CodeType) -> Any:
     while f is not None and f.f_code is not cw_code:
         code = f.f_code
         # Identity, not equality: comparing code objects compares their constants, which can be unhashable.
-        if not any(code is c for c in call_plumbing) and not (
+        if not any(code is c for c in plumbing) and not (
             code.co_name in _MODULE_PLUMBING and code.co_filename.endswith(_MODULE_FILE)
         ):
             return None
@@ -63,8 +63,9 @@ class FrameCallback:
     activation are covered too)."""
 
     def __init__(self, original: Callable[..., Any], cw_code: types.CodeType, gates: ContinuationGates,
-                 skip_frame: Callable[[], Any]) -> None:
+                 skip_frame: Callable[[], Any], plumbing: list[types.CodeType]) -> None:
         self.original = original
+        self.plumbing = plumbing  # the live values of capability call_plumbing
         self.skip_frame = skip_frame
         self.cw_code = cw_code
         self.gates = gates
@@ -122,7 +123,7 @@ class FrameCallback:
             return self.skip_frame()  # what upstream returns for it: run the frame as it is, this time
         backend = backend_of(callback)  # what dynamo's lookup compares entries against
         compile_fn = functools.partial(self.compile_frame, callback, frame, args, kwargs, backend)
-        gate = first_frame_gate(caller, self.cw_code)
+        gate = first_frame_gate(caller, self.cw_code, self.plumbing)
         if gate is None:
             owner = _calls.innermost_main(caller)
             del caller

@@ -46,11 +46,14 @@ import logging
 import sys
 import threading
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from torch_threadsafe_compile import _forksafe, _graveyard
 from torch_threadsafe_compile._torch import compile_lock_waiters, holds_compile_lock
 from torch_threadsafe_compile.patches.first_compile import _calls
+
+if TYPE_CHECKING:
+    from torch_threadsafe_compile._journal import Capability
 
 RESET_WAIT_MAX_S = 120.0
 GATE_WAIT_S = 0.25
@@ -132,12 +135,13 @@ class ResetBarrier:
                 inside.add(ident)
         return inside
 
-    def run(self, reset: Callable[..., Any], args: Any, kwargs: Any, after: Callable[[], None]) -> Any:
+    def run(self, reset: Callable[..., Any], args: Any, kwargs: Any, after: Callable[[], None],
+            waiters: Capability) -> Any:
         with self._one_at_a_time:
             self._depth += 1
             try:
                 if self._depth == 1:
-                    self._drained = self._close_and_drain()
+                    self._drained = self._close_and_drain(waiters)
                 # Drained: nobody is inside, the reset frees as upstream. Not drained: code_reset and
                 # guard_invalidation see other threads and reset softly (H11): nothing is freed under them.
                 with _graveyard.quiesced() if self._drained else contextlib.nullcontext():
@@ -152,7 +156,7 @@ class ResetBarrier:
                         self.closed = self.freeing = False
                         self._cond.notify_all()
 
-    def _close_and_drain(self) -> bool:
+    def _close_and_drain(self, waiters: Capability) -> bool:
         """Close the barrier and wait until no other thread is inside a gated call: True. False when that
         cannot happen (they wait for ``compile_lock``, which this thread holds) or did not within
         ``RESET_WAIT_MAX_S``; the reset then goes ahead softly (H11), new calls waiting until it is done."""
@@ -169,7 +173,7 @@ class ResetBarrier:
                 with self._cond:
                     self.freeing = False
                     self._cond.notify_all()
-            elif _blocked_by_me(inside, time.monotonic() - t0):
+            elif _blocked_by_me(inside, time.monotonic() - t0, waiters):
                 log.info("torch._dynamo.reset() holding compile_lock while other threads' compiled calls wait for "
                          "it: cache entries are invalidated, not freed")
                 self.freeing = True
@@ -182,7 +186,7 @@ class ResetBarrier:
             time.sleep(0.001)
 
 
-def _blocked_by_me(inside: set[int], waited: float) -> bool:
+def _blocked_by_me(inside: set[int], waited: float, waiters: Capability) -> bool:
     """Whether the threads still inside gated calls can only leave after this reset: this thread holds
     dynamo's ``compile_lock`` (a strict export resets dynamo inside ``export_lock``'s hold, torch 2.13) and
     each of them waits for it -- in dynamo's frame callback, holding its code's cache state. Waiting for them
@@ -191,10 +195,10 @@ def _blocked_by_me(inside: set[int], waited: float) -> bool:
     with someone still inside counts as blocked."""
     if not holds_compile_lock():
         return False
-    waiters = compile_lock_waiters()
-    if waiters is None:
+    waiting = compile_lock_waiters(waiters)
+    if waiting is None:
         return waited > HELD_WAIT_S
-    return inside <= waiters
+    return inside <= waiting
 
 
 def _nested(frame: Any) -> bool:
@@ -214,9 +218,10 @@ _forksafe.in_child(barrier.after_fork)
 HELPER_CODES = (ResetBarrier.enter.__code__, _nested.__code__)
 
 
-def wrap_reset(original: Callable[..., Any], barrier: ResetBarrier, after: Callable[[], None]) -> Callable[..., Any]:
+def wrap_reset(original: Callable[..., Any], barrier: ResetBarrier, after: Callable[[], None],
+               waiters: Capability) -> Callable[..., Any]:
     @functools.wraps(original)
     def reset(*args: Any, **kwargs: Any) -> Any:
-        return barrier.run(original, args, kwargs, after)
+        return barrier.run(original, args, kwargs, after, waiters)
 
     return reset
