@@ -3,7 +3,7 @@
 In order: the devices of the threads, torch.distributed (under torchrun), the data, the frozen target (one per
 device) and its compiled forward, the drafter replicas with their optimizers (resumed from a checkpoint if asked),
 the held-out eval set, and the state every thread shares (``runtime.Run``: stop event, errors, throughput, the
-gradient average). The result is a ``Setup``, which the loops, the leader and the summary read.
+gradient average). The result is a ``steps.Setup``, which the loops, the leader and the summary read.
 """
 from __future__ import annotations
 
@@ -11,55 +11,19 @@ import copy
 import datetime
 import functools
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-from . import checkpoint, cli, flops, masks, metrics, models, runtime, stats
+from . import checkpoint, masks, metrics, models, runtime
 from . import data as data_mod
 from .config import Config
 from .runtime import Lane, PhaseTimer, Reducer, Run
-from .steps import EvalSet, Replica
+from .steps import EvalSet, Replica, Setup, clip_gradients
 
 
 # ------------------------------------------------------------------------------------------------- devices
-def check_devices(cfg: Config) -> str | None:
-    """CUDA requested but not there, a GPU index that does not exist, or an SM partition the GPU cannot make: one
-    line, or None."""
-    spec = cfg.devices
-    entries = cli.device_list(spec)
-    if spec == "auto" and not torch.cuda.is_available():
-        for flag, wanted in (("--step-graphs", cfg.step_graphs), ("--target-sms", cfg.target_sms)):
-            if wanted:
-                return f"{flag} needs CUDA, and --devices auto found none (torch {torch.__version__})"
-    if spec != "auto" and any(e.startswith("cuda") for e in entries):
-        preset = f" (preset {cfg.preset})" if cfg.preset else ""
-        if not torch.cuda.is_available():
-            why = "this torch build has no CUDA" if torch.version.cuda is None else "no GPU is visible"
-            return (f"--devices {spec}{preset} needs CUDA, but {why} (torch {torch.__version__}); "
-                    f"use --devices cpu or --preset cpu-tiny")
-        n = torch.cuda.device_count()
-        for e in entries:
-            if ":" in e and int(e.split(":")[1]) >= n:
-                return f"--devices {spec}: {e} does not exist ({n} GPU(s) visible)"
-    if cfg.target_sms:
-        for dev in dict.fromkeys(d for d in parse_devices(spec) if d.type == "cuda"):
-            problem = runtime.sm_limit_problem(dev, cfg.target_sms)
-            if problem:
-                return f"--target-sms {cfg.target_sms}: {problem}"
-    return None
-
-
-def parse_devices(spec: str) -> list[torch.device]:
-    if spec == "auto":
-        spec = "cuda" if torch.cuda.is_available() else "cpu"
-    if spec == "cuda":
-        return [torch.device(f"cuda:{i}") for i in range(torch.cuda.device_count())]
-    return [torch.device(d) for d in cli.device_list(spec)]
-
-
 def place_threads(cfg: Config, devices: list[torch.device]) -> tuple[list[torch.device], list[torch.device]]:
     """The devices of the target threads and of the drafter threads: round robin over ``devices``, targets first.
     The sequential layout has one worker per device (at most one per batch of the step), each running target and
@@ -147,16 +111,8 @@ def target_forwards(cfg: Config, targets: Targets, t_dev: list[torch.device], vo
     return fns
 
 
-def target_shape(cfg: Config, target: torch.nn.Module) -> flops.Shape:
-    if isinstance(target, models.HFTarget):
-        return flops.Shape(target.vocab_size, target.dim, target.heads, target.kv_heads, target.ffn,
-                           target.num_layers)
-    tcfg = target.cfg
-    return flops.Shape(tcfg.vocab_size, tcfg.dim, tcfg.heads, tcfg.kv_heads or tcfg.heads, tcfg.ffn, tcfg.layers)
-
-
 def drafter_config(cfg: Config, target: torch.nn.Module) -> models.DrafterConfig:
-    s = target_shape(cfg, target)
+    s = models.target_shape(target)
     return models.DrafterConfig(vocab_size=target.output_embedding().shape[0], dim=s.dim, heads=s.heads,
                                 ffn=s.ffn, ttt_steps=cfg.ttt_steps, kv_heads=s.kv_heads,
                                 rope_theta=getattr(target, "rope_theta", None) or cfg.rope_theta)
@@ -214,74 +170,12 @@ def maybe_compile(cfg: Config, fn: Callable[..., Any], mode: str = "default") ->
     return compiled
 
 
-def mean_attended_keys(data: data_mod.Data, batches: int) -> float:
-    """Keys a query attends under the document-causal mask, averaged over a few batches (for the FLOP count)."""
-    total, count = 0.0, 0
-    for i in range(batches):
-        doc = data.batch(i).doc
-        b, s = doc.shape
-        total += float(masks.dense_mask(masks.document_causal_mod(doc), b, s, s, torch.device("cpu")).sum())
-        count += b * s
-    return total / count
-
-
-def clip_gradients(total: torch.Tensor, layout: stats.Layout, max_norm: float) -> None:
-    """After the gradient average (``Reducer``), on its result: the norm of the gradients is the step's
-    ``grad_norm``, and the gradients are scaled down to ``max_norm`` (``--grad-clip``; 0: not clipped)."""
-    g = layout.grads(total)
-    norm = g.norm()
-    layout.field(total, "grad_norm").copy_(norm)
-    if max_norm > 0:
-        g.mul_(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
-
-
 # ------------------------------------------------------------------------------------------------- the set-up
-@dataclass
-class Setup:
-    """What ``setup`` built; the worker threads read it and never rebind it."""
-
-    cfg: Config
-    rank: int
-    world: int
-    devices: list[torch.device]
-    t_dev: list[torch.device]  # device of each target thread (sequential layout: of each worker)
-    d_dev: list[torch.device]  # device of each drafter thread (sequential layout: of each worker)
-    out: Path | None  # --out, on rank 0 only
-    log: metrics.MetricsLog
-    data: data_mod.Data
-    target: torch.nn.Module  # the first device's; the others are copies (``Targets``)
-    target_fns: dict[torch.device, Callable[..., Any]]
-    dcfg: models.DrafterConfig
-    replicas: list[Replica]
-    start_step: int
-    evalset: EvalSet | None  # rank 0 only
-    run: Run
-    timer: PhaseTimer
-
-    @property
-    def cuda(self) -> bool:
-        return bool(self.devices[0].type == "cuda")
-
-    @property
-    def tokens_per_batch(self) -> int:
-        return self.cfg.batch_size * self.cfg.seq_len
-
-    @property
-    def batches_per_step(self) -> int:
-        """Batches behind one optimizer step, over every process (a checkpoint's data position)."""
-        return self.cfg.drafter_threads * self.world
-
-    @property
-    def mark_after(self) -> int:
-        """The last step excluded from the steady-state throughput."""
-        return self.start_step + (self.cfg.measure_after or 0)  # set by config.resolve
-
-
 def setup(cfg: Config) -> Setup:
     """Build the run (see the module's docstring). Without an eval set when a resumed run has nothing left to train
     (the caller stops there)."""
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    devices = parse_devices(cfg.devices)
+    devices = runtime.parse_devices(cfg.devices)
     cuda = devices[0].type == "cuda"
     threads = cfg.torch_threads_for(cuda)
     if threads:

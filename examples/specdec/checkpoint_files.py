@@ -31,6 +31,11 @@ MODEL_FIELDS = ("target_hf", "vocab_size", "target_dim", "target_layers", "targe
                 "target_ffn", "rope_theta", "prior_strength", "seed", "data", "tokenizer")
 
 
+def step_dir(out: Path, step: int) -> Path:
+    """Where the checkpoint of ``step`` lies in an output directory (``CKPT_DIR``)."""
+    return out / f"ckpt-{step:06d}"
+
+
 class CheckpointError(Exception):
     """A checkpoint that cannot be used, said in one line (the trainer prints it as ``train.py: error: ...``)."""
 

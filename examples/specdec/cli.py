@@ -60,11 +60,6 @@ def parse(argv: list[str] | None = None) -> Config:
 DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
 
-def device_list(spec: str) -> list[str]:
-    """The comma-separated entries of ``--devices`` (syntax only; availability is checked with torch)."""
-    return [d.strip() for d in spec.split(",") if d.strip()]
-
-
 def validate(cfg: Config) -> str | None:
     """Everything that can be checked without torch; returns the first problem as one line, or None."""
     positive = ["target_threads", "drafter_threads", "steps", "batch_size", "seq_len", "vocab_size", "target_dim",
@@ -120,17 +115,17 @@ def validate(cfg: Config) -> str | None:
             return f"--target-sms must be at least 1 (got {cfg.target_sms})"
         if cfg.layout != "threaded" or not cfg.streams:
             return "--target-sms needs the threaded layout with --streams (the SM partition is a stream's)"
-        if device_list(cfg.devices)[:1] == ["cpu"]:  # "auto": build.check_devices
+        if config.device_list(cfg.devices)[:1] == ["cpu"]:  # "auto": runtime.check_devices
             return f"--target-sms needs CUDA devices (--devices {cfg.devices})"
     if cfg.seq_len < cfg.ttt_steps + 2:
         return f"--seq-len {cfg.seq_len} is too short for --ttt-steps {cfg.ttt_steps} (needs at least k + 2)"
     spec = cfg.devices
-    entries = device_list(spec)
+    entries = config.device_list(spec)
     if not entries or not all(DEVICE_RE.match(e) for e in entries) or ("auto" in entries and len(entries) > 1):
         return f"--devices {spec!r}: expected 'auto', 'cpu', 'cuda' or a list like 'cuda:0,cuda:1'"
     if len({e.split(":")[0] for e in entries}) > 1:
         return f"--devices {spec!r}: mixes CPU and CUDA devices"
-    if cfg.step_graphs and entries[0] == "cpu":  # "auto" is checked once torch can tell (build.check_devices)
+    if cfg.step_graphs and entries[0] == "cpu":  # "auto" is checked once torch can tell (runtime.check_devices)
         return f"--step-graphs needs CUDA devices (--devices {spec}; --no-step-graphs turns it off)"
     if cfg.inject_fault:
         m = re.fullmatch(r"(error|hang):(target|drafter):(\d+)", cfg.inject_fault)

@@ -199,6 +199,12 @@ class Config:
         return dataclasses.asdict(self)
 
 
+def device_list(spec: str) -> list[str]:
+    """The comma-separated entries of ``--devices`` (syntax only: ``cli.validate``; what torch finds:
+    ``runtime.check_devices``)."""
+    return [d.strip() for d in spec.split(",") if d.strip()]
+
+
 def resolve(given: dict[str, Any], ttc_active: bool | None = None) -> Config:
     """The run's configuration from the flags given (field name -> value): ``Config``'s defaults, overridden by the
     preset's values, overridden by ``given``; then the two defaults that depend on others: ``error_policy`` (stop the

@@ -11,11 +11,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import checkpoint, graphs, metrics
-from .build import Setup
-from .config import Config
+from . import graphs, metrics
 from .runtime import StatsLog
-from .steps import Replica, lr_at
+from .steps import Setup, lr_at, save_checkpoint
 
 
 class Leader:
@@ -114,19 +112,18 @@ class Leader:
         elif step == self.prof_range[1] and self.profiler:
             stop_profiler(self.profiler.pop(), Path(str(self.cfg.profile)), self.setup.cuda)
 
+    def flush(self) -> None:
+        """After the threads ended and the devices finished (``report.settle``): the statistics still on their way
+        to the host (rank 0)."""
+        if self.setup.rank == 0:
+            self.write_records(self.stats_log.drain(wait=True), {})
+
     def close(self) -> None:
         """After the threads ended: the progress bar, a profiler still running."""
         if self.progress is not None:
             self.progress.close()
         for p in self.profiler:
             stop_profiler(p, Path(str(self.cfg.profile)), self.setup.cuda)
-
-
-def save_checkpoint(out: Path, rep: Replica, step: int, cfg: Config, batches_per_step: int) -> str:
-    path = out / f"ckpt-{step:06d}"
-    checkpoint.save(path, rep.model, rep.opt, step, {"data_position": step * batches_per_step,
-                                                     "config": cfg.as_dict()})
-    return str(path)
 
 
 def start_profiler(cuda: bool) -> Any:

@@ -65,6 +65,17 @@ def dense_mask(mask_mod: MaskMod, batch: int, q_len: int, kv_len: int, device: t
     return mask_mod(b, h, q, kv).unsqueeze(1)
 
 
+def mean_attended_keys(docs: Sequence[torch.Tensor]) -> float:
+    """Keys a query attends under the document-causal mask, averaged over the batches' document ids ``docs``
+    (``[B, S]`` each; for the FLOP count)."""
+    total, count = 0.0, 0
+    for doc in docs:
+        b, s = doc.shape
+        total += float(dense_mask(document_causal_mod(doc), b, s, s, torch.device("cpu")).sum())
+        count += b * s
+    return total / count
+
+
 def use_flex(device: torch.device) -> bool:
     """flex_attention is used where it can train (CUDA); elsewhere the dense SDPA fallback."""
     return bool(torch.device(device).type == "cuda")

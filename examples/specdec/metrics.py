@@ -321,3 +321,11 @@ def plot(records: list[dict[str, object]], path: Path) -> str | None:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return None
+
+
+def emit_line(line: str) -> None:
+    """Print one machine-read line (SUMMARY, PARAM_CHECKSUM) in a single write. Ranks of a torchrun job share
+    stdout, and print() writes the text and its newline separately: with unbuffered stdout another rank's line
+    could land between the two (seen once in CI as two checksums on one line)."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()

@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F  # noqa: N812 - torch's own convention
 
-from . import stats
+from . import flops, stats
 from .masks import Mask
 
 
@@ -342,6 +342,15 @@ def target_features(target: nn.Module, tokens: torch.Tensor, pos: torch.Tensor, 
     if out_dtype is not None:
         fused, vals = fused.to(out_dtype), vals.to(out_dtype)
     return fused, vals, idx
+
+
+def target_shape(target: nn.Module) -> flops.Shape:
+    """The shape of a target (built-in or Hugging Face), for the drafter built on it and the FLOP count."""
+    if isinstance(target, HFTarget):
+        return flops.Shape(target.vocab_size, target.dim, target.heads, target.kv_heads, target.ffn,
+                           target.num_layers)
+    tcfg = target.cfg
+    return flops.Shape(tcfg.vocab_size, tcfg.dim, tcfg.heads, tcfg.kv_heads or tcfg.heads, tcfg.ffn, tcfg.layers)
 
 
 # ---------------------------------------------------------------------------------------------------- drafter

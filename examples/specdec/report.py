@@ -1,11 +1,12 @@
 """The end of a run: the summary (summary.json, the one-line ``SUMMARY`` on stdout, ``PARAM_CHECKSUM``), the
-checkpoint kept after a failure, the exit code; and the hang report the watchdog writes before it exits.
+checkpoint kept after a failure, the exit code. (The hang report is the watchdog's: ``loops.hang_exit``.)
+
+It reads what the leader kept (its ``summary`` and the last checkpoint it wrote) as plain values: the leader sits
+beside this module, not under it.
 """
 from __future__ import annotations
 
-import faulthandler
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -13,53 +14,55 @@ from typing import Any
 
 import torch
 
-from . import flops, graphs, metrics, package_state
-from .build import Setup, mean_attended_keys, target_shape
+from . import checkpoint_files, flops, graphs, masks, metrics, models, package_state
 from .config import Config
-from .leader import Leader, save_checkpoint
-from .runtime import Run
-from .steps import Replica
+from .metrics import emit_line
+from .steps import Replica, Setup, save_checkpoint
 
 
 def flop_counts(setup: Setup) -> tuple[dict[str, float], float]:
     """Model FLOPs per token of the target forward and of the drafter step, and the keys a query attends on
-    average (measured on the data), for the MFU of the summary."""
-    keys = mean_attended_keys(setup.data, setup.cfg.flop_batches)
+    average (measured on the first ``Config.flop_batches`` batches), for the MFU of the summary."""
+    keys = masks.mean_attended_keys([setup.data.batch(i).doc for i in range(setup.cfg.flop_batches)])
     dcfg = setup.dcfg
-    counts = {"target": flops.target_flops_per_token(target_shape(setup.cfg, setup.target), keys),
+    counts = {"target": flops.target_flops_per_token(models.target_shape(setup.target), keys),
               "drafter": flops.drafter_flops_per_token(
                   flops.Shape(dcfg.vocab_size, dcfg.dim, dcfg.heads, dcfg.kv_heads or dcfg.heads, dcfg.ffn),
                   setup.cfg.ttt_steps, keys)}
     return counts, keys
 
 
-def finish(setup: Setup, leader: Leader, status: str, util: metrics.GpuUtil | None,
-           counts: dict[str, float], keys: float) -> int:
-    """After the threads ended (``status``: 'ok', 'error' or 'interrupted'): the last statistics, the checkpoint kept
-    after an error, the checksum, summary.json and the ``SUMMARY`` line; returns the exit code."""
-    cfg, run, rank, out = setup.cfg, setup.run, setup.rank, setup.out
+def settle(setup: Setup, util: metrics.GpuUtil | None) -> str | None:
+    """After the threads ended: wait for the devices, then close the steady window and the GPU sampler. Returns
+    the device's error in one line (a sticky CUDA error from a dead thread), or None."""
     sync_error = None
     if setup.cuda:
         try:
             graphs.synchronize(setup.devices)
-        except Exception as e:  # a sticky CUDA error from a dead thread
+        except Exception as e:
             sync_error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-    run.throughput.close()
+    setup.run.throughput.close()
     if util is not None:
         util.close()
-    if rank == 0 and sync_error is None:
-        leader.write_records(leader.stats_log.drain(wait=True), {})
+    return sync_error
+
+
+def finish(setup: Setup, status: str, summary: dict[str, Any], saved_step: int | None, sync_error: str | None,
+           util: metrics.GpuUtil | None, counts: dict[str, float], keys: float) -> int:
+    """After ``settle`` and the leader's last statistics (``status``: 'ok', 'error' or 'interrupted'; ``summary``
+    and ``saved_step``: the leader's): the checkpoint kept after an error, the checksum, summary.json and the
+    ``SUMMARY`` line; returns the exit code."""
+    cfg, run, rank, out = setup.cfg, setup.run, setup.rank, setup.out
     kept: tuple[str, int] | None = None
     if status == "error" and out is not None and not cfg.no_checkpoint:
         if sync_error is None:
-            kept = emergency_checkpoint(out, setup.replicas, leader.saved_step, setup.start_step, cfg,
+            kept = emergency_checkpoint(out, setup.replicas, saved_step, setup.start_step, cfg,
                                         setup.batches_per_step)
-        elif leader.saved_step is not None:
-            kept = (str(out / f"ckpt-{leader.saved_step:06d}"), leader.saved_step)
-    params = leader.replica.model.parameters()
+        elif saved_step is not None:
+            kept = (str(checkpoint_files.step_dir(out, saved_step)), saved_step)
+    params = setup.replicas[0].model.parameters()  # the leader's replica
     checksum = float(sum(p.detach().double().sum().cpu() for p in params)) if sync_error is None else float("nan")
     emit_line(f"PARAM_CHECKSUM rank={rank} {checksum:.10e}")
-    summary = leader.summary
     summary.update(summary_fields(setup, status, util, counts, keys, sync_error))
     summary.update({"checkpoint_kept": kept[0] if kept else None, "hung": False})
     summary.update(summary_tail(setup, checksum))
@@ -154,7 +157,7 @@ def emergency_checkpoint(out: Path, replicas: list[Replica], saved_step: int | N
         return None
     rep = max(usable, key=lambda r: r.completed)
     if saved_step is not None and saved_step >= rep.completed:
-        return str(out / f"ckpt-{saved_step:06d}"), saved_step
+        return str(checkpoint_files.step_dir(out, saved_step)), saved_step
     if rep.completed <= start_step:
         return None
     try:
@@ -162,14 +165,6 @@ def emergency_checkpoint(out: Path, replicas: list[Replica], saved_step: int | N
     except Exception as e:  # the device may be unusable after the failure
         print(f"checkpoint of step {rep.completed} not written: {one_line(e)}", file=sys.stderr, flush=True)
         return None
-
-
-def emit_line(line: str) -> None:
-    """Print one machine-read line (SUMMARY, PARAM_CHECKSUM) in a single write. Ranks of a torchrun job share
-    stdout, and print() writes the text and its newline separately: with unbuffered stdout another rank's line
-    could land between the two (seen once in CI as two checksums on one line)."""
-    sys.stdout.write(line + "\n")
-    sys.stdout.flush()
 
 
 def one_line(exc: BaseException) -> str:
@@ -197,19 +192,3 @@ def short_summary(s: dict[str, Any], out: Path | None) -> dict[str, Any]:
     }
 
 
-def hang_exit(run: Run, idle: float) -> None:
-    print(f"\nHANG DETECTED: no drafter step completed in {idle:.0f} s (--hang-timeout {run.cfg.hang_timeout:g}); "
-          f"last completed step {run.steps_done}. Stacks of all threads follow.", file=sys.stderr, flush=True)
-    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-    summary = {"status": "hung", "hung": True, "steps_done": run.steps_done, "idle_s": round(idle, 1),
-               "errors": {"total": run.errors.total(), "counted": dict(run.errors.counts)},
-               "ttc": package_state.state()["label"]}
-    if run.gpu_util is not None:
-        run.gpu_util.close()
-    if run.cfg.out and run.rank == 0:
-        Path(run.cfg.out, "summary.json").write_text(json.dumps(summary, indent=2, default=str))
-    emit_line("SUMMARY " + json.dumps(summary, default=str))
-    print(f"train.py: error: hang: no drafter step completed in {idle:.0f} s (last completed step {run.steps_done})",
-          file=sys.stderr, flush=True)
-    sys.stderr.flush()
-    os._exit(3)

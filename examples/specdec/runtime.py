@@ -1,4 +1,4 @@
-"""Threads, CUDA streams and the hand-offs between them.
+"""Devices, threads, CUDA streams and the hand-offs between them.
 
 Every worker thread runs on a ``Lane``: its device and, on CUDA with ``--streams``, a stream of its own, so that
 the GPU work of different threads can overlap (on the shared default stream it would run one kernel at a time,
@@ -39,7 +39,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from . import graphs, metrics
+from . import config, graphs, metrics
 from .config import Config
 
 Event = Optional["torch.cuda.Event"]
@@ -70,6 +70,42 @@ def sm_limit_problem(device: torch.device, num_sms: int) -> str | None:
     if not 1 <= num_sms < total:
         return f"SM count {num_sms} is not in [1, {total}) for {device} ({total} SMs)"
     return None
+
+
+def check_devices(cfg: Config) -> str | None:
+    """CUDA requested but not there, a GPU index that does not exist, or an SM partition the GPU cannot make: one
+    line, or None."""
+    spec = cfg.devices
+    entries = config.device_list(spec)
+    if spec == "auto" and not torch.cuda.is_available():
+        for flag, wanted in (("--step-graphs", cfg.step_graphs), ("--target-sms", cfg.target_sms)):
+            if wanted:
+                return f"{flag} needs CUDA, and --devices auto found none (torch {torch.__version__})"
+    if spec != "auto" and any(e.startswith("cuda") for e in entries):
+        preset = f" (preset {cfg.preset})" if cfg.preset else ""
+        if not torch.cuda.is_available():
+            why = "this torch build has no CUDA" if torch.version.cuda is None else "no GPU is visible"
+            return (f"--devices {spec}{preset} needs CUDA, but {why} (torch {torch.__version__}); "
+                    f"use --devices cpu or --preset cpu-tiny")
+        n = torch.cuda.device_count()
+        for e in entries:
+            if ":" in e and int(e.split(":")[1]) >= n:
+                return f"--devices {spec}: {e} does not exist ({n} GPU(s) visible)"
+    if cfg.target_sms:
+        for dev in dict.fromkeys(d for d in parse_devices(spec) if d.type == "cuda"):
+            problem = sm_limit_problem(dev, cfg.target_sms)
+            if problem:
+                return f"--target-sms {cfg.target_sms}: {problem}"
+    return None
+
+
+def parse_devices(spec: str) -> list[torch.device]:
+    """``--devices`` as torch devices (``auto``: every visible GPU, else the CPU)."""
+    if spec == "auto":
+        spec = "cuda" if torch.cuda.is_available() else "cpu"
+    if spec == "cuda":
+        return [torch.device(f"cuda:{i}") for i in range(torch.cuda.device_count())]
+    return [torch.device(d) for d in config.device_list(spec)]
 
 
 def _call_compat(method: Callable[..., Any]) -> None:

@@ -4,7 +4,10 @@
   graph), ``target_step`` (both, timed);
 * the drafter side: ``Replica`` (one drafter replica with its optimizer: forward + backward into a flat gradient
   buffer, the gradient average, the update) and the learning rate of a step (``lr_at``);
-* the held-out evaluation (``EvalSet``: τ, the mean accepted length) and the ``--inject-fault`` testing aid.
+* the gradient clipping that follows the average (``clip_gradients``) and a replica's checkpoint
+  (``save_checkpoint``);
+* the held-out evaluation (``EvalSet``: τ, the mean accepted length) and the ``--inject-fault`` testing aid;
+* ``Setup``: the parts of a run as ``build.setup`` made them, which the loops, the leader and the report read.
 """
 from __future__ import annotations
 
@@ -12,12 +15,13 @@ import contextlib
 import math
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
 
+from . import checkpoint, checkpoint_files, graphs, masks, metrics, models, stats
 from . import data as data_mod
-from . import graphs, masks, metrics, models, stats
 from .config import Config
 from .runtime import Lane, PhaseTimer, Run
 
@@ -231,3 +235,62 @@ def target_step(run: Run, cfg: Config, data: data_mod.Data, call: TargetCall, la
     fused, vals, idx = run.call("target", lambda: call(packed))
     timer.stop("target", step + 1, started)
     return fused, vals, idx, packed
+
+
+def clip_gradients(total: torch.Tensor, layout: stats.Layout, max_norm: float) -> None:
+    """After the gradient average (``runtime.Reducer``), on its result: the norm of the gradients is the step's
+    ``grad_norm``, and the gradients are scaled down to ``max_norm`` (``--grad-clip``; 0: not clipped)."""
+    g = layout.grads(total)
+    norm = g.norm()
+    layout.field(total, "grad_norm").copy_(norm)
+    if max_norm > 0:
+        g.mul_(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+
+
+def save_checkpoint(out: Path, rep: Replica, step: int, cfg: Config, batches_per_step: int) -> str:
+    """``rep`` after ``step`` steps, into ``out``'s checkpoint directory of that step; returns its path."""
+    path = checkpoint_files.step_dir(out, step)
+    checkpoint.save(path, rep.model, rep.opt, step, {"data_position": step * batches_per_step,
+                                                     "config": cfg.as_dict()})
+    return str(path)
+
+
+@dataclass
+class Setup:
+    """What ``build.setup`` built; the worker threads read it and never rebind it."""
+
+    cfg: Config
+    rank: int
+    world: int
+    devices: list[torch.device]
+    t_dev: list[torch.device]  # device of each target thread (sequential layout: of each worker)
+    d_dev: list[torch.device]  # device of each drafter thread (sequential layout: of each worker)
+    out: Path | None  # --out, on rank 0 only
+    log: metrics.MetricsLog
+    data: data_mod.Data
+    target: torch.nn.Module  # the first device's; the others are copies (``build.Targets``)
+    target_fns: dict[torch.device, Callable[..., Any]]
+    dcfg: models.DrafterConfig
+    replicas: list[Replica]
+    start_step: int
+    evalset: EvalSet | None  # rank 0 only
+    run: Run
+    timer: PhaseTimer
+
+    @property
+    def cuda(self) -> bool:
+        return bool(self.devices[0].type == "cuda")
+
+    @property
+    def tokens_per_batch(self) -> int:
+        return self.cfg.batch_size * self.cfg.seq_len
+
+    @property
+    def batches_per_step(self) -> int:
+        """Batches behind one optimizer step, over every process (a checkpoint's data position)."""
+        return self.cfg.drafter_threads * self.world
+
+    @property
+    def mark_after(self) -> int:
+        """The last step excluded from the steady-state throughput."""
+        return self.start_step + (self.cfg.measure_after or 0)  # set by config.resolve

@@ -12,6 +12,22 @@ step (plus an all-reduce across processes under torchrun). ``--layout sequential
 
 The command line is parsed and checked before torch is imported: a bad invocation gets one line on stderr and
 exit code 2 within a second or two.
+
+``run_training`` is the run, top to bottom; each part lives in a module of its own, none of which imports another
+of them (docs/trainer.md, "Reading the code"):
+
+1. ``build.setup``: devices, data, the frozen target and its compiled forward, the drafter replicas, the eval set;
+2. ``leader.Leader``: what happens after each optimizer step (logging, evaluation, checkpoints);
+3. ``loops``: the worker threads of the layout, started and watched by ``loops.supervise``;
+4. ``report``: the summary and the exit code.
+
+Layouts:
+
+* ``threaded`` (default): T target threads feed D drafter threads through bounded queues; each drafter trains its
+  own replica on one batch per step; gradients are averaged across drafters (``runtime.Reducer``).
+* ``sequential``: the usual alternative (SpecForge / EAGLE-3 style): one thread per device runs the target forward
+  and then the drafter step, one batch after the other. It trains on the same D batches per step (accumulating
+  gradients), with the same models, compile settings and data, so the two layouts differ only in threading.
 """
 from __future__ import annotations
 
@@ -27,6 +43,7 @@ if __name__ == "__main__" and not __package__:
     __package__ = "examples.specdec"
 
 from . import cli
+from .config import Config
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,9 +57,9 @@ def main(argv: list[str] | None = None) -> int:
         import torch
     except ImportError as e:
         cli.fail(f"torch is not importable ({e})")
-    from . import build, package_state, trainer
+    from . import package_state, runtime
     from .checkpoint_files import CheckpointError
-    problem = build.check_devices(cfg)
+    problem = runtime.check_devices(cfg)
     if problem:
         cli.fail(problem)
     if cfg.dry_run:
@@ -53,9 +70,57 @@ def main(argv: list[str] | None = None) -> int:
     # A crash in native code (a segfault in a CUDA or compiler path) then still says where every thread was.
     faulthandler.enable(all_threads=True)
     try:
-        return trainer.run_training(cfg)
+        return run_training(cfg)
     except CheckpointError as e:  # --resume: the checkpoint does not fit the model built (checkpoint.check_fits)
         cli.fail(f"--resume {cfg.resume}: {e}")
+
+
+def run_training(cfg: Config) -> int:
+    """The run from a validated configuration (``main``) to the exit code."""
+    from . import build, graphs, loops, metrics, report
+    from .leader import Leader
+
+    print(f"building the data, the target ({cfg.target_hf or 'built-in'}), {cfg.drafter_threads} drafter "
+          f"replica(s) and the eval set on {cfg.devices}…", flush=True)
+    setup = build.setup(cfg)
+    if setup.start_step >= cfg.steps:
+        print(f"train.py: error: --resume {cfg.resume} is at step {setup.start_step}, not before --steps "
+              f"{cfg.steps}: nothing to train", file=sys.stderr, flush=True)
+        return 2
+    leader = Leader(setup)
+    leader.evaluate_first()
+    if setup.cuda:
+        # Worker streams do not wait for the default streams, on which everything above was built.
+        graphs.synchronize(setup.devices)
+    counts, keys = report.flop_counts(setup)
+    leader.start_progress()
+    leader.note(first_step_line(cfg, setup.cuda))
+
+    threads = loops.workers(setup, leader.step_done)
+    util = None
+    if setup.cuda and cfg.gpu_util == "auto":
+        util = metrics.GpuUtil(sorted({d.index for d in list(setup.t_dev) + list(setup.d_dev)}))
+    setup.run.gpu_util = util
+    if cfg.measure_after == 0:
+        setup.run.throughput.mark()
+    status = loops.supervise(setup.run, threads)
+    leader.close()
+    sync_error = report.settle(setup, util)
+    if sync_error is None:
+        leader.flush()
+    return report.finish(setup, status, leader.summary, leader.saved_step, sync_error, util, counts, keys)
+
+
+def first_step_line(cfg: Config, cuda: bool) -> str:
+    """What the threads do before the first progress line: the first step compiles (no line comes until it is done;
+    the line after it says how long it took)."""
+    threads = (f"{cfg.target_threads} target + {cfg.drafter_threads} drafter threads" if cfg.layout == "threaded"
+               else "the sequential workers")
+    if cfg.no_compile:
+        return f"starting {threads} (eager: --no-compile)…"
+    how_long = "" if cuda else "; on CPU about a minute with cold compile caches, less with warm ones"
+    return (f"starting {threads}; the first step compiles the target forward and the drafter loss, forward and "
+            f"backward ({cfg.compile_backend}{how_long})…")
 
 
 if __name__ == "__main__":

@@ -587,7 +587,7 @@ def test_markov_cache_stays_bounded_under_racing_threads() -> None:
 def test_machine_read_lines_are_one_write(monkeypatch: pytest.MonkeyPatch) -> None:
     """SUMMARY and PARAM_CHECKSUM lines reach stdout in one write: torchrun's ranks share stdout, and print() writes
     a line's text and its newline separately, so another rank's line could land between them."""
-    from examples.specdec import report
+    from examples.specdec import metrics
 
     writes: list = []
 
@@ -600,7 +600,7 @@ def test_machine_read_lines_are_one_write(monkeypatch: pytest.MonkeyPatch) -> No
             pass
 
     monkeypatch.setattr(sys, "stdout", Recorder())
-    report.emit_line("PARAM_CHECKSUM rank=0 1.0000000000e+00")
+    metrics.emit_line("PARAM_CHECKSUM rank=0 1.0000000000e+00")
     assert writes == ["PARAM_CHECKSUM rank=0 1.0000000000e+00\n"]
 
 
