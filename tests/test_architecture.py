@@ -81,11 +81,13 @@ def test_no_import_circle() -> None:
 
 
 def test_the_leaf_and_the_floors() -> None:
-    """_env imports nothing of ours, _activation only _env (both run at every interpreter start); the bootstrap
+    """The patch table (registry) imports nothing of ours; _env at most the table (its ids, only when
+    TTC_DISABLE lists some), _activation only _env (both run at every interpreter start); the bootstrap
     never imports the patches; patches never import each other (shared torch knowledge lives in _torch)."""
     mods = _modules()
     graph = {name: _edges(name, path, set(mods)) for name, path in mods.items()}
-    assert graph[f"{ROOT}._env"] == set()
+    assert graph[f"{ROOT}.registry"] == set()
+    assert graph[f"{ROOT}._env"] <= {f"{ROOT}.registry"}
     assert graph[f"{ROOT}._activation"] == {f"{ROOT}._env"}
     assert not {m for m in graph[f"{ROOT}._bootstrap"] if ".patches" in m}
     for name, deps in graph.items():

@@ -59,7 +59,8 @@ def _shown(text: str) -> list[str]:
 def _rows(lines: list[str]) -> list[list[str]]:
     """The doctor table's patch, hazard and torch-range columns (what the registry decides, on any torch)."""
     at = next(i for i, line in enumerate(lines) if line.split()[:2] == ["patch", "hazard"])
-    return [line.split()[:3] for line in lines[at + 1:] if line.strip() and not line.startswith("protection missing")]
+    end = next((i for i in range(at + 1, len(lines)) if not lines[i].strip()), len(lines))  # the table's end
+    return [line.split()[:3] for line in lines[at + 1:end]]
 
 
 def test_samples_are_what_a_real_run_prints() -> None:

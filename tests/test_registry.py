@@ -13,7 +13,7 @@ from torch_threadsafe_compile.registry import PatchSpec
 
 
 def _specs() -> list[PatchSpec]:
-    specs = [importlib.import_module(f"torch_threadsafe_compile.patches.{name}").SPEC for name in registry.PATCH_MODULES]
+    specs = [importlib.import_module(registry.SPECS[name].module).SPEC for name in registry.PATCH_MODULES]
     # each module binds its own entry of the registry's table (the table is read without importing them)
     assert [s is registry.SPECS[s.id] for s in specs] == [True] * len(specs)
     return specs

@@ -1,9 +1,10 @@
 """``python -m torch_threadsafe_compile [--version] doctor [--selftest] [--json] [--no-dynamo]``.
 
-``doctor`` imports torch (and, to show every patch's real state, the torch modules the patches target:
-``torch._dynamo``, ``torch._functorch.aot_autograd``, ``torch.export._trace``,
-``torch._inductor.cudagraph_trees``; importing them initialises no device; ``--no-dynamo`` skips them),
-then prints versions, how activation happened, and one row per patch. ``--selftest`` runs the hazard
+``doctor`` imports torch (and, to show every patch's real state, every torch module some patch waits for,
+from the patch table: ``torch._dynamo``, ``torch._functorch.aot_autograd``, ``torch.export._trace``,
+``torch._inductor.cudagraph_trees``, ...; importing them initialises no device; ``--no-dynamo`` skips them),
+then prints versions, how activation happened, one row per patch, and the capabilities patches hand each
+other (who provides each now, who reads it). ``--selftest`` runs the hazard
 scenarios in subprocesses, unpatched (``TTC_DISABLE=1``) and active, and prints a before/after table.
 
 Exit status of ``doctor`` (``EXIT_CODES``): 0 every hazard of this torch is covered, or the package is off on
@@ -21,9 +22,6 @@ from typing import Any
 
 from torch_threadsafe_compile._package_version import __version__
 
-# Imported by doctor so that every patch can settle (they apply when these are imported).
-TARGET_MODULES = ("torch._dynamo", "torch._functorch.aot_autograd", "torch.export._trace",
-                  "torch._inductor.cudagraph_trees")
 EXIT_CODES = (
     "exit status: 0 every hazard of this torch is covered, or the package is off on purpose (TTC_DISABLE); "
     "1 protection is missing (torch not importable, the package not activated, a patch failed or was skipped "
@@ -39,8 +37,10 @@ def _import_torch(with_targets: bool) -> str | None:
         import importlib
 
         importlib.import_module("torch")
-        if with_targets:
-            for name in TARGET_MODULES:
+        if with_targets:  # every module some patch waits for (the table's), so that every patch can settle
+            from torch_threadsafe_compile import registry
+
+            for name in sorted(registry.watched_modules()):
                 importlib.import_module(name)
         return None
     except Exception as e:  # a broken torch is exactly what a doctor must be able to report
@@ -98,6 +98,10 @@ def _doctor(args: argparse.Namespace) -> int:
     print(f"code cache  {CODE_CACHE}")
     print()
     print("\n".join(_table(st["patches"])))
+    print("\ncapabilities (provided now by -> read by):")
+    for name, cap in st["capabilities"].items():
+        provided = ", ".join(cap["provided_by"]) or f"nobody ({', '.join(cap['declared_by'])} not applied)"
+        print(f"  {name}: {provided} -> {', '.join(cap['required_by'])}")
     for p in st["patches"]:
         if p["id"] == "first_compile" and p.get("stats"):
             print("\ncompiles per function (first_compile):")

@@ -23,16 +23,28 @@ import logging
 import sys
 import threading
 from enum import Enum
-from typing import Any, Mapping, cast
+from typing import Any, Mapping, Protocol, cast
 
 from torch_threadsafe_compile import _activation, _env, _forksafe, _version_ranges
 from torch_threadsafe_compile._journal import Changes, SourceUnavailable, TargetBusy, TargetMismatch
-from torch_threadsafe_compile.registry import SPECS, Frozen, Patch, PatchSpec
+from torch_threadsafe_compile.registry import SPECS, Frozen, PatchSpec
 
 log = logging.getLogger("torch_threadsafe_compile")
 
 __all__ = ["State", "Skip", "PatchState", "PatchView", "Snapshot", "states", "snapshot", "on_module_imported",
            "apply_ready", "reset_for_install", "revert_all", "warn"]
+
+
+class Patch(Protocol):
+    """The shape of a patch module (modules satisfy protocols structurally; see ``registry``)."""
+
+    SPEC: PatchSpec
+
+    def check(self) -> str | None: ...
+
+    def apply(self, changes: Changes) -> Mapping[str, Any] | None: ...
+
+    def verify(self) -> None: ...
 
 
 class State(str, Enum):

@@ -49,6 +49,22 @@ def protection_missing(snap: _lifecycle.Snapshot) -> list[str]:
     return out
 
 
+def capabilities() -> dict[str, dict[str, list[str]]]:
+    """What patches hand each other (``registry.PatchSpec.provides``/``requires``): per capability, the
+    patches that provide it *now* (from the journal: applied providers only; ``core`` for the package's
+    own) and those whose rows require it."""
+    from torch_threadsafe_compile import _journal, registry
+
+    live = _journal.capabilities()
+    out: dict[str, dict[str, list[str]]] = {}
+    for name, declared_by in registry.capability_providers().items():
+        provided = ["core"] if name in registry.CORE_CAPABILITIES else list(
+            dict.fromkeys(live[name].providers) if name in live else ())
+        out[name] = {"provided_by": provided, "declared_by": list(declared_by) or ["core"],
+                     "required_by": [s.id for s in registry.SPECS.values() if name in s.requires]}
+    return out
+
+
 def build() -> dict[str, Any]:
     torch_mod = sys.modules.get("torch")
     snap = _lifecycle.snapshot()
@@ -61,4 +77,5 @@ def build() -> dict[str, Any]:
         "active": snap.inactive_reason is None,
         "protection_missing": protection_missing(snap),
         "patches": [_row(view) for view in snap.patches],
+        "capabilities": capabilities(),
     }

@@ -24,12 +24,9 @@ its hazard test (named in the row). When each patch runs is decided by :mod:`tor
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Mapping, Protocol
+from typing import Any
 
-if TYPE_CHECKING:
-    from torch_threadsafe_compile._journal import Changes
-
-__all__ = ["Frozen", "PatchSpec", "Patch", "SPECS", "PATCH_MODULES", "CORE_CAPABILITIES", "COMPILER_FLAG_USERS_KNOWN",
+__all__ = ["Frozen", "PatchSpec", "SPECS", "PATCH_MODULES", "CORE_CAPABILITIES", "COMPILER_FLAG_USERS_KNOWN",
            "watched_modules", "capability_providers", "patch_test_files"]
 
 PATCHES_PACKAGE = "torch_threadsafe_compile.patches"
@@ -90,18 +87,6 @@ class PatchSpec(Frozen):
     @property
     def test_file(self) -> str:
         return self.test.split("::", 1)[0]
-
-
-class Patch(Protocol):
-    """The shape of a patch module (modules satisfy protocols structurally)."""
-
-    SPEC: PatchSpec
-
-    def check(self) -> str | None: ...
-
-    def apply(self, changes: Changes) -> Mapping[str, Any] | None: ...
-
-    def verify(self) -> None: ...
 
 
 # Explicit order (gevent.monkey style): a patch may only rely on the ones before it. The tracing flags come
@@ -361,7 +346,7 @@ PATCH_MODULES: tuple[str, ...] = tuple(SPECS)
 
 # Capabilities the package's core offers every patch that declares them: the shared redirect class of each
 # module whose globals patches make per-thread (``_journal.Changes.redirect_module``).
-CORE_CAPABILITIES = frozenset({"redirect:torch.compiler", "redirect:torch.fx._symbolic_trace"})
+CORE_CAPABILITIES: tuple[str, ...] = ("redirect:torch.compiler", "redirect:torch.fx._symbolic_trace")
 
 # The torch releases whose sources were read for code outside ``torch.compiler`` that reads or writes
 # ``torch.compiler._is_compiling_flag`` / ``_is_exporting_flag``: 2.11, 2.13 and 2.15 (2.12 and 2.14 lie
