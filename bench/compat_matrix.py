@@ -6,7 +6,7 @@ builds or reuses a virtual environment with that torch and this package installe
 once unpatched (``TTC_DISABLE=1``) and once active:
 
 * ``python -m torch_threadsafe_compile doctor --json`` (activation and each patch's state/reason), and
-* the hazard scenarios of ``ttc_testing/scenarios.py`` (``python -m ttc_testing.scenarios NAME k=v``), each in
+* the hazard scenarios of ``ttc_testing/scenarios/`` (``python -m ttc_testing.scenarios NAME k=v``), each in
   a fresh interpreter,
 
 and writes ``docs/compat.md``: one row per hazard scenario and per patch, one column per torch version; its

@@ -4,7 +4,7 @@
     python bench/first_compile_waits.py                 # 3 runs of each shape per mode
     python bench/first_compile_waits.py --runs 10 --md docs/performance.md
 
-Each run is a fresh interpreter (``ttc_testing/scenarios.py``), modes alternating run by run so that the
+Each run is a fresh interpreter (``ttc_testing/scenarios/``), modes alternating run by run so that the
 machine's drift hits both alike:
 
 * ``warm_beside_recompile``: 7 threads call a compiled function whose graph fits their inputs while an 8th

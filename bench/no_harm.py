@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """What the package costs where a hazard does not need it: active vs ``TTC_DISABLE=1``, alternating runs.
 
-Rows (each a scenario of ``ttc_testing/scenarios.py`` in a fresh interpreter, ``--rounds`` runs per mode):
+Rows (each a scenario of ``ttc_testing/scenarios/`` in a fresh interpreter, ``--rounds`` runs per mode):
 
 * ``server_first_request``: an 8-worker inference server whose models are in ``eval()`` without
   ``no_grad`` (parameters require grad), compiled with inductor: when the last first answer came;

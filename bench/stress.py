@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Stress checks that need many fresh interpreters, unpatched (``TTC_DISABLE=1``) and active.
 
-Each check is a scenario of ``ttc_testing/scenarios.py`` run ``--runs`` times per mode, each run a fresh
+Each check is a scenario of ``ttc_testing/scenarios/`` run ``--runs`` times per mode, each run a fresh
 interpreter with a timeout (a hang counts as a failure and never blocks). Printed per check and mode: runs,
 crashes (the interpreter died of a signal), failed runs (crash, timeout, or the check's own failure:
 errors, wrong results), and whether the hazard showed. Unpatched and active runs alternate, so the

@@ -1,5 +1,5 @@
 """Shared helpers. Hazard tests run their scenario in fresh interpreters (see
-``ttc_testing/scenarios.py``): once with ``TTC_DISABLE=1``, where the hazard must show, and once
+``ttc_testing/scenarios/``): once with ``TTC_DISABLE=1``, where the hazard must show, and once
 active, where it must not. A scenario that hangs is killed by the subprocess timeout, never blocking CI."""
 
 from __future__ import annotations

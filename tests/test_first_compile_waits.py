@@ -3,7 +3,7 @@
 The deduplication of compiles must not make anything worse than upstream: a call whose guards pass never
 waits for another thread's compile, and a call that missed waits for the other thread's compiles (and a
 short window after each), never for its whole call. Three shapes, each a scenario of
-``ttc_testing/scenarios.py`` run in fresh interpreters with ``TTC_DISABLE=1`` (upstream) and active; each
+``ttc_testing/scenarios/`` run in fresh interpreters with ``TTC_DISABLE=1`` (upstream) and active; each
 failed with the earlier design (waits for any flight of the function, from the start of every call, up to
 10 s after its last compile):
 

@@ -1,4 +1,4 @@
-"""Each hazard, unpatched vs active, in fresh interpreters (scenarios in ttc_testing/scenarios.py).
+"""Each hazard, unpatched vs active, in fresh interpreters (scenarios in ttc_testing/scenarios/).
 
 A hazard test proves something only if the hazard shows with ``TTC_DISABLE=1``: each test asserts both
 sides. Where a hazard does not exist on the installed torch, the test skips and says why.

@@ -19,9 +19,8 @@ import threading
 import time
 from typing import Any
 
-from ttc_testing.scenarios import _run_for
-
 from torch_threadsafe_compile.selftest import _main, scenario
+from ttc_testing.scenarios._common import _run_for
 
 MODULE = "ttc_testing.crash_scenarios"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

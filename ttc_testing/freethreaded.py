@@ -1,6 +1,6 @@
 """Scenarios for free-threaded CPython (3.13t and later, ``PYTHON_GIL=0``), each in a fresh interpreter.
 
-They register on top of the hazard scenarios (``ttc_testing/scenarios.py``) and run the same way:
+They register on top of the hazard scenarios (``ttc_testing/scenarios/``) and run the same way:
 
     python -m ttc_testing.freethreaded NAME [key=value ...]
 
@@ -141,7 +141,7 @@ def run(name: str, env: dict[str, str] | None = None, timeout: float = 300, **kw
 
 
 if __name__ == "__main__":
-    # TTC_FT_FORCE=1: any scenario (these and ttc_testing/scenarios.py's) with the free-threading patches forced.
+    # TTC_FT_FORCE=1: any scenario (these and those of ttc_testing/scenarios/) with the free-threading patches forced.
     if os.environ.get("TTC_FT_FORCE") == "1":
         force_ft_patches(1)
     sys.exit(selftest._main(sys.argv[1:], module=MODULE))

@@ -1,4 +1,4 @@
-"""What is measured: one row per hazard scenario of ``ttc_testing/scenarios.py`` (and of
+"""What is measured: one row per hazard scenario of ``ttc_testing/scenarios/`` (and of
 ``ttc_testing/crash_scenarios.py`` for the hazards whose unpatched answer is a crash: ``module``).
 
 Each row names the hazard, the scenario and its arguments, the patch that addresses it, and how to read the
