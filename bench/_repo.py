@@ -1,6 +1,6 @@
 """The repository root, importable: for the bench scripts that measure the reference trainer (``examples.specdec``).
 
-``python bench/x.py`` puts ``bench/`` on ``sys.path``, not the repository root, and the trainer is an example, not
+``python bench/<script>.py`` puts ``bench/`` on ``sys.path``, not the repository root, and the trainer is an example, not
 part of the installed package. Importing ``ROOT`` from here is the one step such a script takes before
 ``from examples.specdec import ...``; the scripts themselves touch no ``sys.path``.
 """
