@@ -43,9 +43,11 @@ import ast
 import functools
 import inspect
 import sys
+import threading
 from contextvars import ContextVar
 from typing import Any, Callable
 
+from torch_threadsafe_compile import _forksafe
 from torch_threadsafe_compile._journal import Changes
 from torch_threadsafe_compile._rewrite import rewrite_function
 from torch_threadsafe_compile._torch import config_entries, config_unset, loaded, program_threads_started
@@ -64,6 +66,19 @@ HELPER = "_ttc_eager_backward"
 BACKWARD_IN_CALLING_THREAD = frozenset({"cpu", "meta"})
 
 stats = {"eager_backward_graphs": 0}
+# Compiles run in several threads at once: `+=` on a dict entry is a read and a write, not one step.
+_stats_lock = threading.Lock()
+
+
+@_forksafe.in_child
+def _after_fork() -> None:
+    global _stats_lock
+    _stats_lock = threading.Lock()  # a compiling thread of the parent may have held it
+
+
+def _count_eager_backward() -> None:
+    with _stats_lock:
+        stats["eager_backward_graphs"] += 1
 
 
 def _program_setting() -> bool:
@@ -108,7 +123,7 @@ def _apply_switch(changes: Changes) -> None:
     def prepare_aot_module_simplified(*args: Any, **kwargs: Any) -> Any:
         if not kwargs.get(OPTION) and len(args) > 1 and not _program_setting() and needs_eager_backward(args[1]):
             kwargs[OPTION] = True
-            stats["eager_backward_graphs"] += 1
+            _count_eager_backward()
         return original(*args, **kwargs)
 
     changes.setattr(aot, TARGET, prepare_aot_module_simplified)
@@ -159,7 +174,7 @@ def _check_rewrite() -> str | None:
 
 def _eager_backward(flat_args: Any) -> bool:
     if needs_eager_backward(flat_args):
-        stats["eager_backward_graphs"] += 1
+        _count_eager_backward()
         return True
     return False
 
@@ -200,4 +215,5 @@ def verify() -> None:
 
 
 def report() -> dict[str, Any]:
-    return dict(stats)
+    with _stats_lock:
+        return dict(stats)
