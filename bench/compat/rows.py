@@ -1,8 +1,9 @@
 """What is measured: one row per hazard scenario of ``ttc_testing/scenarios/`` (and of
 ``ttc_testing/crash_scenarios.py`` for the hazards whose unpatched answer is a crash: ``module``).
 
-Each row names the hazard, the scenario and its arguments, the patch that addresses it, and how to read the
-scenario's JSON result: ``bad`` (does the result show the hazard?), ``show`` (the number in the cell),
+Each row names the scenario and its arguments, the patch that addresses it (its hazard id comes from the
+patch table), and how to read the scenario's JSON result: ``bad`` (does the result show the hazard?),
+``show`` (the number in the cell),
 ``needs`` (keys a result must have to be read at all) and, optionally, ``control`` (given the unpatched and
 the active result, what the package broke, or None). A ``control`` row (``is_control``) is the other way
 round: the behaviour must be *kept* when active.
@@ -13,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from torch_threadsafe_compile.registry import SPECS
+
 Result = Dict[str, Any]
 SCENARIOS = "ttc_testing.scenarios"
 CRASH = "ttc_testing.crash_scenarios"
@@ -21,7 +24,6 @@ CRASH = "ttc_testing.crash_scenarios"
 @dataclass(frozen=True)
 class Row:
     key: str
-    hazard: str
     title: str
     scenario: str
     kwargs: Dict[str, Any]
@@ -32,6 +34,11 @@ class Row:
     control: Optional[Callable[[Result, Result], Optional[str]]] = None
     is_control: bool = field(default=False)
     module: str = SCENARIOS
+
+    @property
+    def hazard(self) -> str:
+        """The hazard id of the patch that addresses it: the patch table's (no copy kept here)."""
+        return SPECS[self.patch].hazard if self.patch else ""
 
     @property
     def invocation(self) -> str:
@@ -134,54 +141,54 @@ def _backward_wait_show(r: Result) -> str:
 
 
 ROWS: List[Row] = [
-    Row("fx_flag_leak", "H1", "FX tracing flag leaks to other threads", "fx_flag_leak", {}, "fx_tracing_flag",
+    Row("fx_flag_leak", "FX tracing flag leaks to other threads", "fx_flag_leak", {}, "fx_tracing_flag",
         lambda r: r["errors"] > 0, _errors_show, ("errors",)),
-    Row("fx_flag_leak_late", "H1", "same, package installed after the fn was compiled", "fx_flag_leak", {"late": 1},
+    Row("fx_flag_leak_late", "same, package installed after the fn was compiled", "fx_flag_leak", {"late": 1},
         "fx_tracing_flag", lambda r: r["errors"] > 0, _errors_show, ("errors",)),
-    Row("fx_same_thread", "H1", "control: same-thread nested-trace error kept, FX/make_fx/export work",
+    Row("fx_same_thread", "control: same-thread nested-trace error kept, FX/make_fx/export work",
         "fx_same_thread", {}, "fx_tracing_flag", _same_thread_bad, _same_thread_show, ("nested_raised",),
         is_control=True),
-    Row("is_compiling_leak", "H2", "is_compiling() True in an eager thread", "is_compiling_leak", {"seconds": 2},
+    Row("is_compiling_leak", "is_compiling() True in an eager thread", "is_compiling_leak", {"seconds": 2},
         "compile_session_flag", _compiling_bad, _compiling_show, ("true_in_eager_thread", "compiling_thread_saw_true"),
         _compiling_control),
-    Row("config_threads", "H6", "main thread sets recompile_limit=64: value seen by a new thread / a backward compile",
+    Row("config_threads", "main thread sets recompile_limit=64: value seen by a new thread / a backward compile",
         "config_threads", {}, "config_overrides", _config_bad, _config_show,
         ("new_thread_sees", "backward_compile_sees")),
-    Row("stampede", "H3", "first-call stampede: one compile per thread (2 shapes, expect 2 graphs)", "stampede",
+    Row("stampede", "first-call stampede: one compile per thread (2 shapes, expect 2 graphs)", "stampede",
         {"threads": 8}, "first_compile", _stampede_bad, _stampede_show,
         ("graphs", "uncompiled_frames", "errors", "wrong_results")),
-    Row("guard_sets", "H3", "two guard sets from 6 threads (expect 2 graphs)", "guard_sets", {}, "first_compile",
+    Row("guard_sets", "two guard sets from 6 threads (expect 2 graphs)", "guard_sets", {}, "first_compile",
         lambda r: r["graphs"] > 2 or r["errors"] > 0, _guard_sets_show, ("graphs", "errors")),
-    Row("lookup_race", "H3", "spurious cache misses: graphs compiled after every guard set was (graph break, 16 threads)",
+    Row("lookup_race", "spurious cache misses: graphs compiled after every guard set was (graph break, 16 threads)",
         "lookup_race", {"graph_break": 1, "seconds": 5}, "first_compile", _lookup_race_bad, _lookup_race_show,
         ("extra_graphs", "uncompiled_frames", "errors")),
-    Row("dynamic_flag_poll", "H5", "dynamic=True calls flip assume_static_by_default for other threads",
+    Row("dynamic_flag_poll", "dynamic=True calls flip assume_static_by_default for other threads",
         "dynamic_flag_poll", {"seconds": 2}, "dynamic_flags", lambda r: r["flipped"] > 0,
         lambda r: f"{_n(r['flipped'])} flipped polls", ("flipped",)),
-    Row("export_flag_poll", "H7", "is_exporting() True in other threads while one exports", "export_flag_poll",
+    Row("export_flag_poll", "is_exporting() True in other threads while one exports", "export_flag_poll",
         {"seconds": 3}, "export_flag", lambda r: r["true"] > 0 or r["raw_returned"] > 0, _export_flag_show,
         ("true", "raw_returned")),
-    Row("export_vs_compile", "H7", "compiles in 3 threads while one exports (errors)", "export_vs_compile",
+    Row("export_vs_compile", "compiles in 3 threads while one exports (errors)", "export_vs_compile",
         {"seconds": 6}, "export_lock", lambda r: r["compile_errors"] + r["export_errors"] > 0, _export_errors_show,
         ("compile_errors", "export_errors")),
-    Row("backward_lock_wait", "H4", "a backward on a worker device waits for compile_lock held by another thread "
+    Row("backward_lock_wait", "a backward on a worker device waits for compile_lock held by another thread "
         "(mechanism of the deadlock, CPU)", "backward_lock_wait", {}, "lazy_backward",
         lambda r: r["backward_blocked"] or not r["grad_ok"], _backward_wait_show, ("backward_blocked",)),
 ]
 ROWS += [
-    Row("guard_invalidation_race", "H8", "guard trees freed by weakref finalizers while other threads evaluate them "
+    Row("guard_invalidation_race", "guard trees freed by weakref finalizers while other threads evaluate them "
         "(8 threads, 12 s; unpatched: a crash)", "guard_invalidation_race", {"threads": 8, "seconds": 12}, "guard_invalidation",
         lambda r: r["errors"] > 0, _calls_errors_show, ("calls", "errors"), module=CRASH),
-    Row("export_beside_calls", "H9", "torch._dynamo.export's reset_code while other threads call the function "
+    Row("export_beside_calls", "torch._dynamo.export's reset_code while other threads call the function "
         "(6 s; unpatched: a crash)", "export_beside_calls", {"seconds": 6}, "code_reset",
         lambda r: r["errors"] > 0, _calls_errors_show, ("calls", "errors"), module=CRASH),
-    Row("compile_rng_rollback", "H7", "compiles set the generators back over another thread's draws (repeated numbers)",
+    Row("compile_rng_rollback", "compiles set the generators back over another thread's draws (repeated numbers)",
         "compile_rng_rollback", {"compiles": 6}, "rng_rollback", lambda r: r["repeats"] > 0,
         lambda r: f"{_n(r['repeats'])} repeats in {_n(r['draws'])} draws", ("repeats", "draws")),
-    Row("compile_rng_rollback_python", "H7", "compiles set Python's random back over another thread's draws "
+    Row("compile_rng_rollback_python", "compiles set Python's random back over another thread's draws "
         "(repeated numbers)", "compile_rng_rollback", {"compiles": 6, "source": "python"}, "rng_rollback",
         lambda r: r["repeats"] > 0, lambda r: f"{_n(r['repeats'])} repeats in {_n(r['draws'])} draws", ("repeats", "draws")),
-    Row("lazy_recompile_race", "H7", "first calls of one lazily compiled GraphModule from 8 threads (broken code)",
+    Row("lazy_recompile_race", "first calls of one lazily compiled GraphModule from 8 threads (broken code)",
         "lazy_recompile_race", {"rounds": 40, "threads": 8}, "lazy_recompile",
         lambda r: r["errors"] + r["wrong"] > 0, lambda r: f"{_n(r['errors'] + r['wrong'])} failed of {_n(r['calls'])}",
         ("errors", "wrong", "calls")),
