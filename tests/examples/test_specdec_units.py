@@ -642,3 +642,21 @@ def test_target_sms_stream_runs_eager_compiled_and_graphed_work() -> None:
     lane.stream.synchronize()
     for got in (eager, comp, static):
         torch.testing.assert_close(got, expected, rtol=1e-2, atol=1e-2)  # TF32 if another test set it
+
+
+def test_step_statistics_travel_by_name_behind_the_gradients() -> None:
+    """stats.Layout places the measured statistics right behind the gradients and the ones set on the average
+    after them; a batch's packed values land in the measured slice, and the host copy unpacks to the same names."""
+    from examples.specdec import stats
+
+    k, n_grad = 3, 10
+    layout = stats.Layout(n_grad, k)
+    flat = torch.zeros(layout.size)
+    flat[layout.measured].add_(stats.pack(loss=torch.tensor(2.5), acc=torch.tensor([0.5, 0.25, 0.125])))
+    layout.field(flat, "grad_norm").copy_(torch.tensor(7.0))
+    assert layout.measured.start == n_grad and torch.equal(layout.grads(flat), torch.zeros(n_grad))
+    got = layout.unpack(layout.stats(flat).tolist())
+    assert got == stats.StepStats(loss=2.5, acc=(0.5, 0.25, 0.125), grad_norm=7.0)
+    assert got.record() == {"loss": 2.5, "acc": [0.5, 0.25, 0.125], "grad_norm": 7.0}
+    with pytest.raises(TypeError, match="measured statistics"):
+        stats.pack(loss=torch.tensor(1.0))
