@@ -30,12 +30,10 @@ import subprocess
 import sys
 import tempfile
 import time
-
-import _repo  # noqa: F401 - the repository root on sys.path
-from torch_threadsafe_compile._env import child_environ
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from _harness import child_environ, kill_group, own_group, result_line
 from _repo import ROOT
 
 TRAIN = ROOT / "examples" / "specdec" / "train.py"
@@ -49,16 +47,16 @@ def run_one(label: str, args: List[str], env: Dict[str, str], out: Path, timeout
     print(f"[bench] {label}: {' '.join(shlex.quote(c) for c in cmd)}", file=sys.stderr, flush=True)
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=_child_setup)
+                            preexec_fn=own_group)
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
         rc: Optional[int] = proc.returncode
     except subprocess.TimeoutExpired:
-        _kill_group(proc)
+        kill_group(proc)
         stdout, stderr = proc.communicate()
         rc = None
     except BaseException:  # Ctrl-C or SIGTERM of the benchmark: take the run (and its compile workers) down too
-        _kill_group(proc)
+        kill_group(proc)
         raise
     wall = time.monotonic() - t0
     (out / "stdout.log").write_text(stdout)
@@ -70,8 +68,7 @@ def run_one(label: str, args: List[str], env: Dict[str, str], out: Path, timeout
         except ValueError:
             pass
     if not summary:
-        lines = [ln for ln in stdout.splitlines() if ln.startswith("SUMMARY ")]
-        summary = json.loads(lines[-1][8:]) if lines else {}
+        summary = result_line(stdout, "SUMMARY ") or {}
     if rc != 0:
         tail = "\n".join(stderr.strip().splitlines()[-15:])
         print(f"[bench] {label} ended with rc={rc} after {wall:.0f} s; stderr tail:\n{tail}", file=sys.stderr)
@@ -81,25 +78,6 @@ def run_one(label: str, args: List[str], env: Dict[str, str], out: Path, timeout
     return {"label": label, "cmd": cmd, "rc": rc, "wall": wall, "summary": summary,
             "stderr_tail": stderr[-1500:], "out": str(out),
             "error_line": errors[-1][len("train.py: error: "):] if errors else None}
-
-
-def _child_setup() -> None:
-    """In the child, before exec: its own process group (a timeout kills the compile workers too), and SIGKILL
-    when the benchmark process dies (Linux), so no run outlives it."""
-    os.setsid()
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except Exception:
-        pass
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 def fmt(x: object, nd: int = 1) -> str:

@@ -36,11 +36,9 @@ faulthandler headline, and the matrix goes on. The code lives in ``bench/compat/
 
 from __future__ import annotations
 
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from compat.cli import main  # noqa: E402
+from compat.cli import main
 
 if __name__ == "__main__":
     sys.exit(main(doc=__doc__ or ""))

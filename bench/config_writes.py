@@ -13,13 +13,9 @@
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import sys
 
-sys.path.insert(0, os.path.dirname(__file__))
-from _common import run_child  # noqa: E402
+from _harness import alternating, run_child_json
 
 WRITES = """
 import json, threading, timeit
@@ -63,12 +59,11 @@ def main() -> None:
     args = ap.parse_args()
     writes: dict[str, dict[str, list[float]]] = {"active": {}, "off": {}}
     races: dict[str, list[int]] = {"active": [], "off": []}
-    for i in range(args.rounds):
-        for disabled in ((False, True) if i % 2 == 0 else (True, False)):
-            mode = "off" if disabled else "active"
-            for key, value in json.loads(run_child(WRITES, disabled).strip().splitlines()[-1]).items():
-                writes[mode].setdefault(key, []).append(value)
-            races[mode].append(json.loads(run_child(RACE, disabled).strip().splitlines()[-1])["attribute_errors"])
+    for _, disabled in alternating(args.rounds, disabled_first=False):
+        mode = "off" if disabled else "active"
+        for key, value in run_child_json(WRITES, disabled).items():
+            writes[mode].setdefault(key, []).append(value)
+        races[mode].append(run_child_json(RACE, disabled)["attribute_errors"])
     print(f"config writes in a worker thread, median of {args.rounds} interpreters (best of 7 x 20,000 each):")
     for key in writes["off"]:
         off, on = statistics.median(writes["off"][key]), statistics.median(writes["active"][key])

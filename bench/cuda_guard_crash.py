@@ -36,11 +36,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from compat.scrub import SCRUB  # noqa: E402
-from compat.supervise import (child_env, failure_info, kill_children_on_stop, log, result_line,  # noqa: E402
-                              run_proc)
-from compat.venvs import DEFAULT_VENV_ROOT, DEFAULT_VERSIONS, VENV_ROOT_ENV, venv_python  # noqa: E402
+from _harness import kill_children_on_stop, result_line, run_proc
+from compat.scrub import SCRUB
+from compat.supervise import child_env, failure_info, log
+from compat.venvs import DEFAULT_VENV_ROOT, DEFAULT_VERSIONS, VENV_ROOT_ENV, venv_python
 
 # The reproducer. Its RESULT line is printed only if the process survives.
 REPRO = r"""

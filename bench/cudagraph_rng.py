@@ -38,7 +38,6 @@ import argparse
 import collections
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -47,11 +46,22 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
-import _repo  # noqa: F401 - the repository root on sys.path
-from torch_threadsafe_compile._env import child_environ
+from _harness import (
+    cell,
+    child_call,
+    error_kind,
+    md_table,
+    mode_label,
+    print_result,
+    report_pool,
+    run_cold,
+    run_pool,
+    run_row,
+    unpatched_side,
+)
+from _repo import ROOT
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
 GROUPS = ("issue", "layouts", "dropout", "server", "upstream", "window")
 LAYOUTS = ("cold", "warm", "per_thread")
 PATCHES = ("cudagraph_trees_per_thread", "cudagraph_rng")
@@ -60,11 +70,6 @@ UPSTREAM_FILE = os.path.join(HERE, "pytorch_tests", "test", "inductor", "test_cu
 # =====================================================================================================
 # Child side (fresh interpreter).
 # =====================================================================================================
-
-
-def _kind(e: BaseException) -> str:
-    s = str(e).strip()
-    return f"{type(e).__name__}: {s.splitlines()[0][:110] if s else ''}"
 
 
 def _patches(disabled: bool) -> dict[str, Any]:
@@ -154,7 +159,7 @@ def child_issue(disabled: bool, threads: int = 32) -> dict[str, Any]:
             rows[i]["mismatches"] += int(not torch.allclose(out, foo(x, y), atol=1e-5))
         except Exception as e:
             rows[i]["errors"] += 1
-            rows[i]["kinds"][_kind(e)] += 1
+            rows[i]["kinds"][error_kind(e)] += 1
 
     _run_threads(threads, worker)
     res = {"threads": threads, **_summary(rows)}
@@ -185,7 +190,6 @@ def _mismatch(torch: Any, i: int, n: int, row: dict[str, Any], model: Any, fn: A
 
 def child_layout(disabled: bool, layout: str, threads: int = 16, calls: int = 20, width: int = 256) -> dict[str, Any]:
     torch = _setup()
-    sys.path.insert(0, HERE)
     import torch._inductor.cudagraph_trees as cgt
     from cudagraph_threads import Counts, _mlp, _total
 
@@ -206,7 +210,7 @@ def child_layout(disabled: bool, layout: str, threads: int = 16, calls: int = 20
             except Exception as e:
                 row["errors"] += 1
                 row["draw_errors"] += 1
-                row["kinds"][_kind(e)] += 1
+                row["kinds"][error_kind(e)] += 1
                 continue
             try:
                 key = draws.add(x)
@@ -220,7 +224,7 @@ def child_layout(disabled: bool, layout: str, threads: int = 16, calls: int = 20
                 prev = (x, ref)
             except Exception as e:
                 row["errors"] += 1
-                row["kinds"][_kind(e)] += 1
+                row["kinds"][error_kind(e)] += 1
         row["replays"] = _total(counts.in_thread(threading.get_ident()), "replay")
 
     if layout == "warm":
@@ -275,7 +279,7 @@ def child_dropout(disabled: bool, drawers: int = 4, steps: int = 12, width: int 
                 row["calls"] += 1
             except Exception as e:
                 row["errors"] += 1
-                row["kinds"][_kind(e)] += 1
+                row["kinds"][error_kind(e)] += 1
         stop.set()
 
     def drawer(i: int) -> None:
@@ -288,7 +292,7 @@ def child_dropout(disabled: bool, drawers: int = 4, steps: int = 12, width: int 
             except Exception as e:
                 row["errors"] += 1
                 row["draw_errors"] += 1
-                row["kinds"][_kind(e)] += 1
+                row["kinds"][error_kind(e)] += 1
                 time.sleep(0.001)
 
     ts = [threading.Thread(target=drawer, args=(i,)) for i in range(drawers)] + [threading.Thread(target=trainer)]
@@ -347,7 +351,7 @@ def child_window(disabled: bool, drawers: int = 8, rounds: int = 20, per_round: 
             except Exception as e:
                 mine[v]["draws"] += 1
                 mine[v]["errors"] += 1
-                kinds[_kind(e)] += 1
+                kinds[error_kind(e)] += 1
 
     def capturer() -> None:
         x = torch.ones(1024, device="cuda")
@@ -374,7 +378,7 @@ def child_window(disabled: bool, drawers: int = 8, rounds: int = 20, per_round: 
                         captures[v] += 1
                         del y
                     except Exception as e:
-                        capture_errors[_kind(e)] += 1
+                        capture_errors[error_kind(e)] += 1
                     del g
                     time.sleep(0.002)
                 if rt is not None:
@@ -450,7 +454,7 @@ def _serve(torch: Any, model: Any, workers: int, requests: int, prompts: Any, ne
                 greedy[i] = out[0, prompts.shape[1]:].tolist()
         except Exception as e:
             row["errors"] += 1
-            row["kinds"][_kind(e)] += 1
+            row["kinds"][error_kind(e)] += 1
 
     t0 = time.perf_counter()
     with ThreadPoolExecutor(max_workers=workers) as pool:
@@ -513,7 +517,7 @@ def child_server_main(disabled: bool, requests: int = 8, new_tokens: int = 24) -
             row["calls"] += 1
         except Exception as e:
             row["errors"] += 1
-            row["kinds"][_kind(e)] += 1
+            row["kinds"][error_kind(e)] += 1
     res = {"requests": requests, **_summary([row])}
     res["ok"] = res["errors"] == 0
     return res
@@ -529,35 +533,17 @@ CHILDREN: dict[str, Callable[..., dict[str, Any]]] = {
 }
 
 
-def unpatched_side() -> bool:
-    """Whether this child is the unpatched side (the parent sets TTC_DISABLE=1 for it), in the package's own words:
-    its status() says "disabled" for every spelling of the variable it accepts."""
-    import torch_threadsafe_compile as ttc
-
-    return bool(ttc.status()["activation"] == "disabled")
-
-
 def child_main(name: str, kwargs: dict[str, Any], watchdog: float) -> None:
-    import faulthandler
-
-    faulthandler.dump_traceback_later(watchdog, exit=True)
-    disabled = unpatched_side()
     t0 = time.time()
-    try:
-        res = CHILDREN[name](disabled, **kwargs)
-    except BaseException as e:
-        import traceback
-
-        res = {"ok": False, "exception": _kind(e), "traceback": traceback.format_exc()[-3000:]}
-    faulthandler.cancel_dump_traceback_later()
+    res = child_call(lambda disabled: CHILDREN[name](disabled, **kwargs), watchdog)
     try:
         import torch
 
-        res.update(torch=torch.__version__, device=torch.cuda.get_device_name(), patches=_patches(disabled))
+        res.update(torch=torch.__version__, device=torch.cuda.get_device_name(), patches=_patches(unpatched_side()))
     except Exception as e:
-        res["env_error"] = _kind(e)
+        res["env_error"] = error_kind(e)
     res["wall_s"] = round(time.time() - t0, 1)
-    print("RESULT " + json.dumps(res, default=str), flush=True)
+    print_result(res)
 
 
 # =====================================================================================================
@@ -565,37 +551,14 @@ def child_main(name: str, kwargs: dict[str, Any], watchdog: float) -> None:
 # =====================================================================================================
 
 
-def _env(disabled: bool, cache: str) -> dict[str, str]:
-    env = child_environ(disable="1" if disabled else None)
-    env.update(TORCHINDUCTOR_CACHE_DIR=cache, TRITON_CACHE_DIR=os.path.join(cache, "triton"), PYTHONUNBUFFERED="1")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH", "")) if p)
-    env.setdefault("PYTHONWARNINGS", "ignore")
-    return env
-
-
 def run_child(job: dict[str, Any], out_dir: str | None) -> dict[str, Any]:
-    cache = tempfile.mkdtemp(prefix="ttc-rng-cache-")
     cmd = [sys.executable, "-X", "faulthandler", os.path.abspath(__file__), "--child", job["name"],
            "--child-args", json.dumps(job["kwargs"]), "--child-watchdog", str(job["timeout"])]
-    t0 = time.time()
-    try:
-        p = subprocess.run(cmd, env=_env(job["disabled"], cache), capture_output=True, text=True, timeout=job["timeout"] + 30, cwd=ROOT)
-        out, err, rc = p.stdout, p.stderr, p.returncode
-    except subprocess.TimeoutExpired as e:
-        out = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
-        err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
-        rc = None
-    shutil.rmtree(cache, ignore_errors=True)
-    row: dict[str, Any] = {"job": job["tag"], "scenario": job["name"], "package": "TTC_DISABLE=1" if job["disabled"] else "active",
-                           "job_wall_s": round(time.time() - t0, 1), "rc": rc}
-    results = [line[7:] for line in out.splitlines() if line.startswith("RESULT ")]
-    if results:
-        row.update(completed=True, **json.loads(results[-1]))
-    else:
-        row.update(completed=False, ok=False, hung=rc is None or "Timeout (" in err, tail=err[-1500:])
+    pr = run_cold(cmd, job["disabled"], job["timeout"] + 30)
+    row = run_row(pr, job=job["tag"], scenario=job["name"], package=mode_label(job["disabled"]))
     if out_dir and not row.get("ok"):
         with open(os.path.join(out_dir, f"stderr-{job['tag']}.txt"), "w") as fh:
-            fh.write(err[-400000:])
+            fh.write(pr["stderr"][-400000:])
     return row
 
 
@@ -654,23 +617,14 @@ def cuda_problem() -> str | None:
 
 
 def _fmt(v: Any) -> str:
-    if v is None:
-        return "–"
-    if isinstance(v, bool):
-        return "yes" if v else "no"
-    if isinstance(v, dict):
-        return "; ".join(f"{k} ×{n}" for k, n in v.items()) or "–"
-    return str(v)
+    return str(v) if isinstance(v, float) else cell(v)  # floats in full (tokens/s)
 
 
 def table(rows: list[dict[str, Any]]) -> str:
     cols = ("job", "ok", "calls", "errors", "threads_failing", "mismatches", "repeats", "threads_with_replays", "equal_mask_pairs",
             "greedy_equal_eager", "tokens_per_s_1", "tokens_per_s_n", "draws", "draw_errors", "draw_errors_per_1000", "wall_s")
-    out = ["| " + " | ".join(cols) + " | errors seen |", "|" + "---|" * (len(cols) + 1)]
-    for r in rows:
-        why = r.get("skipped") or r.get("kinds") or r.get("exception") or ("hung" if r.get("hung") else None)
-        out.append("| " + " | ".join(_fmt(r.get(c)) for c in cols) + f" | {_fmt(why)} |")
-    return "\n".join(out)
+    why = [r.get("skipped") or r.get("kinds") or r.get("exception") or ("hung" if r.get("hung") else None) for r in rows]
+    return md_table([*cols, "errors seen"], [[*(_fmt(r.get(c)) for c in cols), _fmt(w)] for r, w in zip(rows, why)])
 
 
 def main() -> int:
@@ -707,23 +661,9 @@ def main() -> int:
         os.makedirs(a.out, exist_ok=True)
     t0 = time.time()
     print(json.dumps({"bench": "cudagraph_rng", "jobs": len(jobs), "parallel": a.jobs}), flush=True)
-
-    def one(job: dict[str, Any]) -> dict[str, Any]:
-        if time.time() - t0 > a.budget:
-            return {"job": job["tag"], "scenario": job["name"], "skipped": "budget", "ok": False}
-        row = run_upstream(job, a.out) if job["name"] == "upstream" else run_child(job, a.out)
-        print(json.dumps({k: v for k, v in row.items() if k not in ("traceback", "tail", "greedy")}, default=str), flush=True)
-        return row
-
-    with ThreadPoolExecutor(max_workers=max(1, a.jobs)) as pool:
-        rows = list(pool.map(one, jobs))
-    if a.out:
-        with open(os.path.join(a.out, "cudagraph_rng.json"), "w") as fh:
-            json.dump(rows, fh, indent=1, default=str)
-    print()
-    print(table(rows))
-    active = [r for r in rows if r.get("package") == "active"]
-    print(f"active: {sum(bool(r.get('ok')) for r in active)}/{len(active)} runs ok; total {time.time() - t0:.0f} s")
+    rows = run_pool(jobs, lambda job: run_upstream(job, a.out) if job["name"] == "upstream" else run_child(job, a.out),
+                    a.jobs, a.budget, hide=("traceback", "tail", "greedy"))
+    report_pool(rows, a.out and os.path.join(a.out, "cudagraph_rng.json"), table(rows), t0)
     return 0
 
 

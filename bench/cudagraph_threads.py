@@ -39,20 +39,13 @@ import argparse
 import collections
 import json
 import os
-import shutil
-import subprocess
 import sys
-import tempfile
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
-import _repo  # noqa: F401 - the repository root on sys.path
-from torch_threadsafe_compile._env import child_environ
+from _harness import ACTIVE, UNPATCHED, cell, child_call, error_kind, mode_label, print_result, report_pool, run_cold, run_pool, run_row
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
 PATCH_ID = "cudagraph_trees_per_thread"
 DEVICE = "cuda"  # the child's; "cpu" only for a dry run of the bench's own plumbing (no CUDA graphs there)
 LAYOUTS = ("layout_cold", "layout_warm", "layout_per_thread")
@@ -148,10 +141,6 @@ def _total(c: dict[str, int], kind: str, mode: str | None = None) -> int:
     return sum(v for k, v in c.items() if k.startswith(kind + ":") and (mode is None or k.endswith(":" + mode)))
 
 
-def _kind(e: BaseException) -> str:
-    return f"{type(e).__name__}: {str(e).strip().splitlines()[0][:120] if str(e).strip() else ''}"
-
-
 def _setup(disabled: bool) -> tuple[Any, Any, Counts, dict[str, Any]]:
     import torch
     import torch._dynamo
@@ -215,7 +204,7 @@ def child_layout(which: str, disabled: bool, threads: int = 16, calls: int = 8, 
                     row["mismatches"] += 1
             except Exception as e:  # noqa: BLE001 - counted per kind
                 row["errors"] += 1
-                row["kinds"][_kind(e)] += 1
+                row["kinds"][error_kind(e)] += 1
 
     def new_row(name: str) -> dict[str, Any]:
         return {"name": name, "calls": 0, "errors": 0, "mismatches": 0, "max_err": 0.0, "kinds": collections.Counter()}
@@ -337,7 +326,7 @@ def child_training(disabled: bool, threads: int = 4, steps: int = 8, width: int 
                 opt.zero_grad(set_to_none=True)
         except Exception as e:  # noqa: BLE001 - counted
             row["errors"] += 1
-            row["kinds"][_kind(e)] += 1
+            row["kinds"][error_kind(e)] += 1
         ref_losses, ref_params = refs[i]
         row["steps"] = len(losses)
         row["loss_err"] = max((abs(a - b) / max(abs(b), 1e-6) for a, b in zip(losses, ref_losses)), default=None)
@@ -440,7 +429,7 @@ def child_memory(disabled: bool, threads: int = 4, calls: int = 6, width: int = 
                 row["calls"] += 1
             except Exception as e:  # noqa: BLE001
                 row["errors"] += 1
-                row["kinds"][_kind(e)] += 1
+                row["kinds"][error_kind(e)] += 1
         row["pool"] = my_pool()
 
     settle(True)
@@ -515,8 +504,7 @@ def child_memory(disabled: bool, threads: int = 4, calls: int = 6, width: int = 
 def child_h4(disabled: bool) -> dict[str, Any]:
     torch, _cgt, counts, state = _setup(disabled)
     t0 = time.time()
-    sys.path.insert(0, ROOT)
-    from ttc_testing.scenarios import drafter_flex
+    from ttc_testing.scenarios import drafter_flex  # the repository root is on sys.path (_harness)
 
     res = drafter_flex(target_mode="reduce-overhead")
     with counts.lock:
@@ -539,29 +527,10 @@ CHILDREN: dict[str, Callable[..., dict[str, Any]]] = {
 }
 
 
-def unpatched_side() -> bool:
-    """Whether this child is the unpatched side (the parent sets TTC_DISABLE=1 for it), in the package's own words:
-    its status() says "disabled" for every spelling of the variable it accepts."""
-    import torch_threadsafe_compile as ttc
-
-    return bool(ttc.status()["activation"] == "disabled")
-
-
 def child_main(name: str, kwargs: dict[str, Any], watchdog: float, device: str) -> None:
-    import faulthandler
-
     global DEVICE
     DEVICE = device
-    faulthandler.dump_traceback_later(watchdog, exit=True)  # a hang: every thread's stack, then exit
-    disabled = unpatched_side()
-    try:
-        res = CHILDREN[name](disabled, **kwargs)
-    except BaseException as e:  # noqa: BLE001 - the parent reports it
-        import traceback
-
-        res = {"ok": False, "exception": _kind(e), "traceback": traceback.format_exc()[-3000:]}
-    faulthandler.cancel_dump_traceback_later()
-    print("RESULT " + json.dumps(res, default=str), flush=True)
+    print_result(child_call(lambda disabled: CHILDREN[name](disabled, **kwargs), watchdog))
 
 
 # =====================================================================================================
@@ -569,44 +538,20 @@ def child_main(name: str, kwargs: dict[str, Any], watchdog: float, device: str) 
 # =====================================================================================================
 
 
-def _job_env(disabled: bool, cache: str, extra: dict[str, str]) -> dict[str, str]:
-    env = child_environ(disable="1" if disabled else None)
-    env.update(TORCHINDUCTOR_CACHE_DIR=cache, TRITON_CACHE_DIR=os.path.join(cache, "triton"), PYTHONUNBUFFERED="1")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH", "")) if p)
-    env.setdefault("PYTHONWARNINGS", "ignore")
-    env.update(extra)
-    return env
-
-
 def run_job(job: dict[str, Any], out_dir: str | None) -> dict[str, Any]:
-    cache = tempfile.mkdtemp(prefix="ttc-cg-cache-")
     disabled = job["disabled"]
     timeout = job["timeout"]
-    extra = {"TTC_WATCHDOG": str(max(10, int(timeout // 3)))} if job["name"] == "h4" and not disabled else {}
+    watchdog = max(10, int(timeout // 3)) if job["name"] == "h4" and not disabled else None
     cmd = [sys.executable, "-X", "faulthandler", os.path.abspath(__file__), "--child", job["name"],
            "--child-args", json.dumps(job["kwargs"]), "--child-watchdog", str(timeout), "--child-device", job["device"]]
-    t0 = time.time()
-    try:
-        p = subprocess.run(cmd, env=_job_env(disabled, cache, extra), capture_output=True, text=True, timeout=timeout + 30, cwd=ROOT)
-        out, err, rc = p.stdout, p.stderr, p.returncode
-    except subprocess.TimeoutExpired as e:
-        def text(b: Any) -> str:
-            return b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
-
-        out, err, rc = text(e.stdout), text(e.stderr), None
-    shutil.rmtree(cache, ignore_errors=True)
-    row: dict[str, Any] = {"job": job["tag"], "scenario": job["name"], "package": "TTC_DISABLE=1" if disabled else "active",
-                           "job_wall_s": round(time.time() - t0, 1), "rc": rc}
-    results = [line[7:] for line in out.splitlines() if line.startswith("RESULT ")]
-    if results:
-        row.update(completed=True, **json.loads(results[-1]))
-        if rc not in (0, None):  # the result is in; the process died afterwards (exit)
-            row["exit_problem"] = err.strip().splitlines()[-1][:200] if err.strip() else f"rc={rc}"
-    else:
-        row.update(completed=False, ok=False, hung=rc is None or "Timeout (" in err, tail=err[-1500:])
-        if out_dir:
-            with open(os.path.join(out_dir, f"stderr-{job['tag']}.txt"), "w") as fh:
-                fh.write(err[-400000:])
+    pr = run_cold(cmd, disabled, timeout + 30, watchdog_s=watchdog)
+    row = run_row(pr, job=job["tag"], scenario=job["name"], package=mode_label(disabled))
+    rc, err = row["rc"], pr["stderr"]
+    if row["completed"] and rc not in (0, None):  # the result is in; the process died afterwards (exit)
+        row["exit_problem"] = err.strip().splitlines()[-1][:200] if err.strip() else f"rc={rc}"
+    elif not row["completed"] and out_dir:
+        with open(os.path.join(out_dir, f"stderr-{job['tag']}.txt"), "w") as fh:
+            fh.write(err[-400000:])
     return row
 
 
@@ -639,18 +584,6 @@ def plan(a: argparse.Namespace) -> list[dict[str, Any]]:
     return jobs
 
 
-def _fmt(v: Any) -> str:
-    if v is None:
-        return "–"
-    if isinstance(v, bool):
-        return "yes" if v else "no"
-    if isinstance(v, float):
-        return f"{v:g}"
-    if isinstance(v, dict):
-        return "; ".join(f"{k} ×{n}" for k, n in v.items()) or "–"
-    return str(v)
-
-
 def _why(r: dict[str, Any]) -> Any:
     """What went wrong in a run, for the last column."""
     if r.get("skipped"):
@@ -663,7 +596,7 @@ def _why(r: dict[str, Any]) -> Any:
 
 
 def _row(*cells: Any) -> str:
-    return "| " + " | ".join(_fmt(x) for x in cells) + " |"
+    return "| " + " | ".join(cell(x) for x in cells) + " |"
 
 
 def tables(rows: list[dict[str, Any]]) -> str:
@@ -685,7 +618,7 @@ def tables(rows: list[dict[str, Any]]) -> str:
                 "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in tr:
             b = r.get("baseline") or {}
-            base = f"errors {b.get('errors')}, eager match {_fmt(b.get('matches_eager'))}, replays {_fmt(b.get('replays'))}" if b else None
+            base = f"errors {b.get('errors')}, eager match {cell(b.get('matches_eager'))}, replays {cell(b.get('replays'))}" if b else None
             out.append(_row("step", r["package"], r.get("threads"), r.get("ok"), r.get("errors"),
                                                                 r.get("threads_matching_eager"), r.get("threads_with_fwd_bwd_replays"),
                                                                 r.get("threads_with_opt_replays"), base, r.get("wall_s", r.get("job_wall_s")),
@@ -697,7 +630,7 @@ def tables(rows: list[dict[str, Any]]) -> str:
                 "|---|---|---|---|---|---|---|---|---|---|"]
         for r in mem:
             rv = r.get("reserved_mib") or {}
-            res_s = " / ".join(_fmt(rv.get(k)) for k in ("start", "threads_alive", "threads_ended", "after_reset")) if rv else None
+            res_s = " / ".join(cell(rv.get(k)) for k in ("start", "threads_alive", "threads_ended", "after_reset")) if rv else None
             out.append(_row("pools", r["package"], r.get("threads"), r.get("ok"), r.get("main_pool_mib"),
                                                                 r.get("thread_pool_mib_mean"), r.get("thread_pools_left_after_end_mib"),
                                                                 r.get("main_pool_after_reset_mib"), res_s, _why(r)))
@@ -706,7 +639,7 @@ def tables(rows: list[dict[str, Any]]) -> str:
     if h4:
         out += ["| H4 + reduce-overhead targets | runs | completed | hung | with errors | not run | target replays (min) | wall s (min–max) |",
                 "|---|---|---|---|---|---|---|---|"]
-        for pkg in ("TTC_DISABLE=1", "active"):
+        for pkg in (UNPATCHED, ACTIVE):
             sel = [r for r in h4 if r["package"] == pkg]
             if not sel:
                 continue
@@ -749,25 +682,8 @@ def main() -> None:
     jobs = plan(a)
     t0 = time.time()
     print(json.dumps({"bench": "cudagraph_threads", "jobs": len(jobs), "parallel": a.jobs, "python": sys.version.split()[0]}), flush=True)
-    rows: list[dict[str, Any]] = []
-
-    def one(job: dict[str, Any]) -> dict[str, Any]:
-        if time.time() - t0 > a.budget:
-            return {"job": job["tag"], "scenario": job["name"], "package": "TTC_DISABLE=1" if job["disabled"] else "active",
-                    "completed": False, "ok": False, "skipped": "budget"}
-        row = run_job(job, a.out)
-        print(json.dumps({k: v for k, v in row.items() if k not in ("rows", "traceback", "tail")}, default=str), flush=True)
-        return row
-
-    with ThreadPoolExecutor(max_workers=max(1, a.jobs)) as pool:
-        rows = list(pool.map(one, jobs))
-    if a.out:
-        with open(os.path.join(a.out, "cudagraph_threads.json"), "w") as fh:
-            json.dump(rows, fh, indent=1, default=str)
-    print()
-    print(tables(rows))
-    active = [r for r in rows if r["package"] == "active"]
-    print(f"active: {sum(bool(r.get('ok')) for r in active)}/{len(active)} runs ok; total {time.time() - t0:.0f} s")
+    rows = run_pool(jobs, lambda job: run_job(job, a.out), a.jobs, a.budget, hide=("rows", "traceback", "tail"))
+    report_pool(rows, a.out and os.path.join(a.out, "cudagraph_threads.json"), tables(rows), t0)
 
 
 if __name__ == "__main__":

@@ -20,16 +20,15 @@ The markdown table goes between ``<!-- first-compile-waits:begin -->`` and ``<!-
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _harness import alternating, md_table, mode_label, scenario_env, spread, write_between
 
 from ttc_testing import scenarios
 
-MODES = {"TTC_DISABLE=1": {"TTC_DISABLE": "1"}, "active": {"TTC_DISABLE": "0"}}
+MODES = [mode_label(True), mode_label(False)]  # the table's order
 SHAPES = {
     "warm_beside_recompile": ("warm_per_s_during", "longest_warm_call_s", "warm_per_s_before"),
     "rendezvous_step": ("broken", "wrong", "first_step_s"),
@@ -41,12 +40,11 @@ BEGIN, END = "<!-- first-compile-waits:begin -->", "<!-- first-compile-waits:end
 def measure(runs: int, shapes: list[str]) -> dict[str, dict[str, list[dict]]]:
     out: dict[str, dict[str, list[dict]]] = {s: {m: [] for m in MODES} for s in shapes}
     for shape in shapes:
-        for k in range(runs):
-            order = list(MODES) if k % 2 == 0 else list(MODES)[::-1]
-            for mode in order:
-                res = scenarios.run(shape, env=MODES[mode], timeout=300)
-                out[shape][mode].append(res)
-                print(f"{shape} [{mode}] run {k + 1}: {res}", file=sys.stderr, flush=True)
+        for k, disabled in alternating(runs):
+            mode = mode_label(disabled)
+            res = scenarios.run(shape, env=scenario_env(disabled), timeout=300)
+            out[shape][mode].append(res)
+            print(f"{shape} [{mode}] run {k + 1}: {res}", file=sys.stderr, flush=True)
     return out
 
 
@@ -54,26 +52,16 @@ def _num(v: float) -> str:
     return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.3g}"
 
 
-def _cell(values: list) -> str:
-    nums = [v for v in values if isinstance(v, (int, float))]
-    if not nums:
-        return "–"
-    if len(set(nums)) == 1:
-        return _num(nums[0])
-    return f"{_num(statistics.median(nums))} ({_num(min(nums))}–{_num(max(nums))})"
-
-
 def render(out: dict[str, dict[str, list[dict]]], runs: int, command: str) -> str:
     lines = [f"`{command}` ({runs} runs per shape and mode, fresh interpreters, modes alternating; "
              f"median (min–max); {time.strftime('%Y-%m-%d')})", ""]
     for shape in out:
         keys = SHAPES[shape]
-        lines += [f"**{shape}**", "", "| mode | " + " | ".join(keys) + " | errors or crashes |",
-                  "|---|" + "---|" * (len(keys) + 1)]
+        rows = []
         for mode, results in out[shape].items():
             bad = sum(1 for r in results if r.get("errors") or "rc" in r or "timeout" in r)
-            lines.append(f"| {mode} | " + " | ".join(_cell([r.get(k) for r in results]) for k in keys) + f" | {bad} of {len(results)} |")
-        lines.append("")
+            rows.append([mode, *(spread([r.get(k) for r in results], _num) for k in keys), f"{bad} of {len(results)}"])
+        lines += [f"**{shape}**", "", md_table(["mode", *keys, "errors or crashes"], rows), ""]
     return "\n".join(lines)
 
 
@@ -90,13 +78,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown shape(s): {sorted(unknown)}")
     table = render(measure(max(1, args.runs), shapes), args.runs, command.strip())
     print(table)
-    if args.md:
-        text = args.md.read_text(encoding="utf-8")
-        if BEGIN not in text or END not in text:
-            print(f"{args.md}: no {BEGIN} … {END} markers; table not written", file=sys.stderr)
-            return 2
-        head, rest = text.split(BEGIN, 1)
-        args.md.write_text(head + BEGIN + "\n" + table + "\n" + END + rest.split(END, 1)[1], encoding="utf-8")
+    if args.md and not write_between(args.md, BEGIN, END, table):
+        print(f"{args.md}: no {BEGIN} … {END} markers; table not written", file=sys.stderr)
+        return 2
     return 0
 
 

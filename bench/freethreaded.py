@@ -22,11 +22,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from _harness import md_table, scenario_env
 
-from ttc_testing import freethreaded  # noqa: E402
+from ttc_testing import freethreaded
 
 
 def configs(threads: list[int]) -> list[dict[str, Any]]:
@@ -34,9 +32,7 @@ def configs(threads: list[int]) -> list[dict[str, Any]]:
 
 
 def measure(cfg: dict[str, Any], seconds: float, timeout: float) -> dict[str, Any]:
-    env = {"PYTHON_GIL": "1" if cfg["gil"] == "on" else "0"}
-    if cfg["ttc"] == "off":
-        env["TTC_DISABLE"] = "1"
+    env = {"PYTHON_GIL": "1" if cfg["gil"] == "on" else "0", **scenario_env(cfg["ttc"] == "off")}
     res = freethreaded.run("warm_calls", env=env, timeout=timeout, threads=cfg["threads"], seconds=seconds,
                            force=1 if cfg["ttc"] == "on" else 0)
     return {**cfg, **res}
@@ -47,8 +43,7 @@ def key(cfg: dict[str, Any]) -> tuple[str, str, int]:
 
 
 def table(rows: dict[tuple[str, str, int], list[dict[str, Any]]], threads: list[int]) -> str:
-    out = ["| GIL | TTC | threads | warm calls/s, median (min-max) | per thread | vs 1 thread | runs died / hung | errors |",
-           "|---|---|---|---|---|---|---|---|"]
+    out: list[list[Any]] = []
     for gil in ("on", "off"):
         for ttc in ("off", "on"):
             base = None
@@ -59,14 +54,15 @@ def table(rows: dict[tuple[str, str, int], list[dict[str, Any]]], threads: list[
                 hung = sum(1 for r in runs if r.get("timeout"))
                 errors = sum(r.get("errors", 0) + r.get("wrong", 0) for r in runs)
                 if not ok:
-                    out.append(f"| {gil} | {ttc} | {n} | - | - | - | {died} / {hung} of {len(runs)} | {errors} |")
+                    out.append([gil, ttc, n, "-", "-", "-", f"{died} / {hung} of {len(runs)}", errors])
                     continue
                 med = statistics.median(ok)
                 base = med if n == threads[0] else base
                 scale = f"{med / base:.2f}x" if base and n != threads[0] else ""
-                out.append(f"| {gil} | {ttc} | {n} | **{med:,.0f}** ({min(ok):,}-{max(ok):,}) | {med / n:,.0f} | {scale} "
-                           f"| {died} / {hung} of {len(runs)} | {errors} |")
-    return "\n".join(out)
+                out.append([gil, ttc, n, f"**{med:,.0f}** ({min(ok):,}-{max(ok):,})", f"{med / n:,.0f}", scale,
+                            f"{died} / {hung} of {len(runs)}", errors])
+    return md_table(["GIL", "TTC", "threads", "warm calls/s, median (min-max)", "per thread", "vs 1 thread",
+                     "runs died / hung", "errors"], out)
 
 
 def main() -> int:

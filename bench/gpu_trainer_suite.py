@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import shlex
 import signal
@@ -36,8 +35,8 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_trainer import Budget, agreement_text, compare_layouts, layout_table, steady  # noqa: E402
+from _harness import child_environ
+from bench_trainer import Budget, agreement_text, compare_layouts, layout_table, steady
 
 PARTS = {
     "small": dict(preset="cuda-small", steps=1000, measure_after=200, pairs=[(3, 2), (4, 4)], timeout=170),
@@ -81,7 +80,7 @@ def main() -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds through run_one, which kills the run
     out = Path(a.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    env = {k: v for k, v in os.environ.items() if k != "TTC_DISABLE"}
+    env = child_environ()
     cache = Path(a.cache_dir) if a.cache_dir else Path(tempfile.mkdtemp(prefix="gpu-trainer-suite-cache-"))
     env["TORCHINDUCTOR_CACHE_DIR"] = str(cache / "inductor")
     env["TRITON_CACHE_DIR"] = str(cache / "triton")

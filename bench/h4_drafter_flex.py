@@ -12,16 +12,11 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
-import time
 
-import _repo  # noqa: F401 - the repository root on sys.path
-from torch_threadsafe_compile._env import child_environ
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
+from _harness import ACTIVE, UNPATCHED, child_environ, mode_label, result_line, run_proc
+from _repo import ROOT
 
 
 def one(disabled: bool, timeout: float, out_dir: str | None, tag: str) -> dict:
@@ -32,18 +27,13 @@ def one(disabled: bool, timeout: float, out_dir: str | None, tag: str) -> dict:
            "import faulthandler, sys, json; faulthandler.dump_traceback_later(%r, exit=True); "
            "from ttc_testing.scenarios import drafter_flex; r = drafter_flex(); "
            "faulthandler.cancel_dump_traceback_later(); print('RESULT ' + json.dumps(r), flush=True)" % (timeout,)]
-    t0 = time.time()
-    try:
-        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout + 30)
-        out, err, rc = p.stdout, p.stderr, p.returncode
-    except subprocess.TimeoutExpired as e:
-        out, err, rc = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or ""), "", None
-    wall = round(time.time() - t0, 1)
+    pr = run_proc(cmd, env, timeout + 30, cwd=str(ROOT))  # the child imports ttc_testing from the checkout
+    err, rc = pr["stderr"], None if pr["timeout"] else pr["rc"]
     shutil.rmtree(cache, ignore_errors=True)
-    res = [json.loads(line[7:]) for line in out.splitlines() if line.startswith("RESULT ")]
-    row = {"run": tag, "package": "TTC_DISABLE=1" if disabled else "active", "wall_s": wall}
-    if res:
-        row.update(completed=True, **res[0])
+    res = result_line(pr["stdout"])
+    row = {"run": tag, "package": mode_label(disabled), "wall_s": pr["secs"]}
+    if res is not None:
+        row.update(completed=True, **res)
     else:
         row.update(completed=False, hung="Timeout" in err or rc is None or "Thread 0x" in err, rc=rc,
                    watchdog="H4" in err)
@@ -70,7 +60,7 @@ def main() -> None:
     for i in range(a.active_runs):
         rows.append(one(False, a.timeout, a.out, f"active-{i}"))
         print(json.dumps(rows[-1]), flush=True)
-    for pkg in ("TTC_DISABLE=1", "active"):
+    for pkg in (UNPATCHED, ACTIVE):
         sel = [r for r in rows if r["package"] == pkg]
         done = sum(r["completed"] for r in sel)
         print(f"{pkg}: {done}/{len(sel)} completed, {sum(not r['completed'] for r in sel)} hung (> {a.timeout:g} s)")

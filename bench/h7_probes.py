@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
 import time
 
-import _repo  # noqa: F401 - the repository root on sys.path
-from torch_threadsafe_compile._env import child_environ
+from _harness import child_env, kill_group, result_line, run_proc
 
 CUDAGRAPHS = r"""
 import json, threading, torch, collections
@@ -48,23 +46,15 @@ print("RESULT " + json.dumps(dict(ok=True)))
 
 
 def _env(disabled: bool, **extra: str) -> dict[str, str]:
-    env = child_environ(disable="1" if disabled else None)
-    env.update(extra)
-    return env
-
-
-def _result(out: str) -> dict:
-    lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
-    return json.loads(lines[-1][7:]) if lines else {}
+    return {**child_env(disabled), **extra}
 
 
 def cudagraphs() -> dict:
     res = {}
     for disabled in (True, False):
         with tempfile.TemporaryDirectory() as cache:
-            p = subprocess.run([sys.executable, "-c", CUDAGRAPHS], capture_output=True, text=True, timeout=300,
-                               env=_env(disabled, TORCHINDUCTOR_CACHE_DIR=cache))
-        res["unpatched" if disabled else "active"] = _result(p.stdout) or {"rc": p.returncode, "tail": p.stderr[-400:]}
+            pr = run_proc([sys.executable, "-c", CUDAGRAPHS], _env(disabled, TORCHINDUCTOR_CACHE_DIR=cache), 300)
+        res["unpatched" if disabled else "active"] = result_line(pr["stdout"]) or {"rc": pr["rc"], "tail": pr["stderr"][-400:]}
     return res
 
 
@@ -79,14 +69,14 @@ def killed_cache(kill_after: float = 6.0) -> dict:
             time.sleep(kill_after)
             killed = p.poll() is None
             if killed:
-                os.killpg(p.pid, signal.SIGKILL)
+                kill_group(p)
             p.communicate()
             files = sum(len(f) for _, _, f in os.walk(cache))
-            again = subprocess.run([sys.executable, "-c", KILLED], env=env, capture_output=True, text=True, timeout=600)
+            again = run_proc([sys.executable, "-c", KILLED], env, 600)
             res["unpatched" if disabled else "active"] = {
                 "killed_mid_compile": killed, "cache_files_left": files,
-                "rerun_ok": bool(_result(again.stdout).get("ok")), "rerun_rc": again.returncode,
-                "rerun_tail": "" if again.returncode == 0 else again.stderr[-300:],
+                "rerun_ok": bool((result_line(again["stdout"]) or {}).get("ok")), "rerun_rc": again["rc"],
+                "rerun_tail": "" if again["rc"] == 0 else again["stderr"][-300:],
             }
     return res
 

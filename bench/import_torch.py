@@ -7,12 +7,8 @@ patches apply), as a ratio active / TTC_DISABLE=1, median of alternating fresh i
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(__file__))
-from _common import alternate, run_child  # noqa: E402
+from _harness import alternate, run_child_json
 
 CODE = """
 import time, json, sys
@@ -55,20 +51,20 @@ def main() -> None:
     mods: dict[bool, list[str]] = {}
 
     def m_torch(disabled: bool) -> float:
-        t_torch, _, m = json.loads(run_child(CODE.format(extra=""), disabled))
+        t_torch, _, m = run_child_json(CODE.format(extra=""), disabled)
         mods[disabled] = m
         return t_torch
 
     dyn_mods: dict[bool, list[str]] = {}
 
     def m_dynamo(disabled: bool) -> float:
-        _, t_dyn, m = json.loads(run_child(CODE.format(extra="import torch._dynamo, torch._functorch.config"), disabled))
+        _, t_dyn, m = run_child_json(CODE.format(extra="import torch._dynamo, torch._functorch.config"), disabled)
         dyn_mods[disabled] = m
         return t_dyn
 
     import statistics
 
-    inproc = [json.loads(run_child(INPROC, False)) for _ in range(a.rounds)]
+    inproc = [run_child_json(INPROC, False) for _ in range(a.rounds)]
     fractions = sorted(x / t for x, t in inproc)
     r1 = alternate(m_torch, a.rounds)
     r2 = alternate(m_dynamo, a.rounds)

@@ -17,11 +17,8 @@ import argparse
 import json
 import subprocess
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
-from _common import child_env  # noqa: E402
+from _harness import ACTIVE, UNPATCHED, child_env, md_table, result_line
 
 CHILD = r"""
 import gc, json, sys, torch, torch._dynamo
@@ -75,10 +72,10 @@ print("RESULT " + json.dumps(out))
 def run(disable: bool, n: int, backend: str, graph_break: bool) -> dict:
     p = subprocess.run([sys.executable, "-c", CHILD, str(n), backend, "1" if graph_break else "0"],
                        env=child_env(disable), capture_output=True, text=True, timeout=3600)
-    line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
-    if not line:
+    res = result_line(p.stdout)
+    if res is None:
         raise RuntimeError(f"child failed (rc={p.returncode}):\n{p.stderr[-3000:]}")
-    return json.loads(line[0][7:])
+    return res
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,16 +84,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--backend", default="eager")
     ap.add_argument("--graph-break", action="store_true", help="each function has a graph break (continuations)")
     args = ap.parse_args(argv)
-    res = {label: run(disable, args.functions, args.backend, args.graph_break) for label, disable in (("TTC_DISABLE=1", True), ("active", False))}
+    res = {label: run(disable, args.functions, args.backend, args.graph_break) for label, disable in ((UNPATCHED, True), (ACTIVE, False))}
     print(f"{args.functions} functions, backend {args.backend}{', graph break' if args.graph_break else ''}")
-    print("| mode | RSS start MiB | after compiling | after dropping | after reset | growth (dropped - start) | package tables start → compiled → dropped → reset |")
-    print("|---|---|---|---|---|---|---|")
+    steps = ["start", "compiled", "dropped", "reset"]
+    rows = []
     for label, r in res.items():
-        steps = ["start", "compiled", "dropped", "reset"]
         tab = " → ".join(json.dumps(r[s]["tables"], separators=(",", ":")) if r[s]["tables"] else "–" for s in steps)
-        print(f"| {label} | " + " | ".join(f"{r[s]['rss_mib']:.0f}" for s in steps)
-              + f" | {r['dropped']['rss_mib'] - r['start']['rss_mib']:.0f} | {tab} |")
-    off, on = (res[k]["dropped"]["rss_mib"] - res[k]["start"]["rss_mib"] for k in ("TTC_DISABLE=1", "active"))
+        rows.append([label, *(f"{r[s]['rss_mib']:.0f}" for s in steps), f"{r['dropped']['rss_mib'] - r['start']['rss_mib']:.0f}", tab])
+    print(md_table(["mode", "RSS start MiB", "after compiling", "after dropping", "after reset", "growth (dropped - start)",
+                    "package tables start → compiled → dropped → reset"], rows))
+    off, on = (res[k]["dropped"]["rss_mib"] - res[k]["start"]["rss_mib"] for k in (UNPATCHED, ACTIVE))
     print(f"RSS growth active / off: {on / off:.3f}" if off > 0 else "RSS growth off: none")
     return 0
 

@@ -17,16 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from _harness import ACTIVE, UNPATCHED, alternating, md_table, mode_label, scenario_env, spread
 
-from ttc_testing import scenarios  # noqa: E402
+from ttc_testing import scenarios
 
 # name -> (kwargs, the numbers to report: (key, label, how to summarise))
 ROWS: dict[str, tuple[dict[str, Any], list[tuple[str, str]]]] = {
@@ -40,8 +37,7 @@ ROWS: dict[str, tuple[dict[str, Any], list[tuple[str, str]]]] = {
 def _summary(values: list[Any]) -> str:
     nums = [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
     if nums and len(nums) == len(values):
-        med = statistics.median(nums)
-        return f"{med:.3g} ({min(nums):.3g}–{max(nums):.3g})" if len(nums) > 1 else f"{med:.3g}"
+        return spread(nums)
     return ", ".join(sorted({str(v)[:60] for v in values}))
 
 
@@ -52,20 +48,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     names = [n for n in args.only.split(",") if n]
-    results: dict[str, dict[str, list[dict[str, Any]]]] = {n: {"active": [], "TTC_DISABLE=1": []} for n in names}
+    results: dict[str, dict[str, list[dict[str, Any]]]] = {n: {ACTIVE: [], UNPATCHED: []} for n in names}
     for name in names:
         kwargs = ROWS[name][0]
-        for i in range(args.rounds):
-            for disable in ((True, False) if i % 2 == 0 else (False, True)):
-                res = scenarios.run(name, env={"TTC_DISABLE": "1" if disable else "0"}, timeout=900, **kwargs)
-                results[name]["TTC_DISABLE=1" if disable else "active"].append(res)
-                print(f"[no_harm] {name} {'off' if disable else 'on '} {json.dumps(res)[:160]}", file=sys.stderr, flush=True)
-    print("| scenario | measure | TTC_DISABLE=1 | active |")
-    print("|---|---|---|---|")
-    for name in names:
-        for key, label in ROWS[name][1]:
-            cells = [_summary([r.get(key, r.get("rc", "no result")) for r in results[name][mode]]) for mode in ("TTC_DISABLE=1", "active")]
-            print(f"| {name} | {label} | {cells[0]} | {cells[1]} |")
+        for _, disable in alternating(args.rounds):
+            res = scenarios.run(name, env=scenario_env(disable), timeout=900, **kwargs)
+            results[name][mode_label(disable)].append(res)
+            print(f"[no_harm] {name} {'off' if disable else 'on '} {json.dumps(res)[:160]}", file=sys.stderr, flush=True)
+    rows = [[name, label, *(_summary([r.get(key, r.get("rc", "no result")) for r in results[name][mode]]) for mode in (UNPATCHED, ACTIVE))]
+            for name in names for key, label in ROWS[name][1]]
+    print(md_table(["scenario", "measure", UNPATCHED, ACTIVE], rows))
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
     return 0

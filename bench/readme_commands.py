@@ -31,10 +31,9 @@ import tempfile
 import time
 from pathlib import Path
 
-import _repo  # noqa: F401 - the repository root on sys.path
-from torch_threadsafe_compile._env import child_environ
+from _harness import child_environ
+from _repo import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 MARK = "<!-- readme-commands: run -->"
 SAMPLE = re.compile(r"^<!-- readme-sample: ([\w-]+) -->$")
 FENCE = re.compile(r"^```(\w*)\s*$")

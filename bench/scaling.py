@@ -14,13 +14,12 @@ GPU counts this machine does not have are listed as "not run" rather than guesse
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_trainer import run_one, table  # noqa: E402
+from _harness import child_environ
+from bench_trainer import run_one, table
 
 
 def threads_for(n: int) -> tuple[int, int]:
@@ -47,8 +46,7 @@ def main() -> int:
             out += [f"## {n} GPU(s): not run (this machine has {have})", ""]
             continue
         targets, drafters = threads_for(n)
-        env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(str(i) for i in range(n)))
-        env.pop("TTC_DISABLE", None)
+        env = dict(child_environ(), CUDA_VISIBLE_DEVICES=",".join(str(i) for i in range(n)))
         args = ["--preset", "multi-gpu", "--steps", str(a.steps), "--target-threads", str(targets),
                 "--drafter-threads", str(drafters), "--hang-timeout", str(a.hang_timeout)]
         results = []

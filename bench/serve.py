@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from _common import child_env
+from _harness import child_env, kill_group, own_group
 from _repo import ROOT
 
 from examples.serve import load, models
@@ -78,18 +78,6 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _child_setup() -> None:
-    """In the server's process, before exec: its own process group (so that a stuck run is ended with its worker
-    and compile processes), and SIGKILL when the benchmark dies (Linux), so that no server outlives it."""
-    os.setsid()
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except Exception:
-        pass
-
-
 def wait_ready(proc: subprocess.Popen[bytes], log: Path, workers: int, timeout: float) -> float:
     """Seconds until every worker process said "Application startup complete." (model built, nothing compiled)."""
     t0 = time.monotonic()
@@ -112,10 +100,7 @@ def stop(proc: subprocess.Popen[bytes], timeout: float = 30) -> None:
             return
         except subprocess.TimeoutExpired:
             pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+    kill_group(proc)
     proc.wait(10)
 
 
@@ -212,9 +197,7 @@ async def phases(port: int, w: Workload, args: argparse.Namespace) -> dict[str, 
 def run_setup(s: Setup, w: Workload, args: argparse.Namespace) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix=f"serve-{s.name}-"))
     (work / "stats").mkdir()
-    env = child_env(False)
-    if s.ttc_disable:
-        env["TTC_DISABLE"] = s.ttc_disable
+    env = child_env(s.ttc_disable)
     env["TORCHINDUCTOR_CACHE_DIR"] = str(work / "inductor")  # cold: nothing compiled by an earlier run
     env["PYTHONUNBUFFERED"] = "1"
     port = free_port()
@@ -228,7 +211,7 @@ def run_setup(s: Setup, w: Workload, args: argparse.Namespace) -> dict[str, Any]
     t0 = time.monotonic()
     with open(log, "wb") as log_file:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log_file, stderr=subprocess.STDOUT,
-                                preexec_fn=_child_setup)
+                                preexec_fn=own_group)  # a stuck run ends with its worker and compile processes
         try:
             ready_s = wait_ready(proc, log, s.workers, args.start_timeout)
             result = asyncio.run(phases(port, w, args))

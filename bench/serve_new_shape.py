@@ -23,7 +23,7 @@ import threading
 import time
 from typing import Any
 
-from _common import child_env
+from _harness import child_env
 from _repo import ROOT
 
 MODES: dict[str, str | None] = {"active": None, "off": "1", "no-first-compile": "first_compile"}
@@ -72,10 +72,7 @@ def child(model_name: str, threads: int) -> dict[str, Any]:
 
 
 def run_mode(mode: str, model: str, threads: int) -> dict[str, Any]:
-    env = child_env(False)
-    disable = MODES[mode]
-    if disable:
-        env["TTC_DISABLE"] = disable
+    env = child_env(MODES[mode])
     with tempfile.TemporaryDirectory(prefix="serve-new-shape-") as cache:  # cold: nothing compiled before
         env["TORCHINDUCTOR_CACHE_DIR"] = cache
         p = subprocess.run([sys.executable, __file__, "--child", "--model", model, "--threads", str(threads)],

@@ -16,13 +16,11 @@ import argparse
 import json
 import shlex
 import sys
-from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from _repo import ROOT
 
-from ttc_testing import soak as harness  # noqa: E402
+from ttc_testing import soak as harness
 
 DOC = ROOT / "docs" / "reliability.md"
 BEGIN = "<!-- soak-table:begin -->"

@@ -17,8 +17,7 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, __import__("os").path.dirname(__file__))
-from _common import alternate, child_env  # noqa: E402
+from _harness import alternate, child_env
 
 
 def bootstrap_import_us() -> float:

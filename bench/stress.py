@@ -23,11 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from _harness import alternating, md_table, mode_label, scenario_env
 
-from ttc_testing import scenarios  # noqa: E402
+from ttc_testing import scenarios
 
 
 def _died(res: dict[str, Any]) -> bool:
@@ -105,7 +103,7 @@ class Outcome:
 def run_check(check: Check, disable: bool, runs: int, stop_when_shown: bool = False) -> Outcome:
     out = Outcome(check.name, disable)
     for _ in range(runs):
-        res = scenarios.run(check.scenario, env={"TTC_DISABLE": "1" if disable else "0"}, timeout=check.timeout, **check.kwargs)
+        res = scenarios.run(check.scenario, env=scenario_env(disable), timeout=check.timeout, **check.kwargs)
         out.results.append(res)
         out.crashes += int(res.get("rc", 0) < 0)
         out.hangs += int("timeout" in res or bool(res.get("hung")))
@@ -126,24 +124,22 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.checks:
         check = CHECKS[name]
         outcomes = {True: Outcome(name, True), False: Outcome(name, False)}
-        for i in range(args.runs):  # alternate the modes, one run at a time
-            for disable in ((True, False) if i % 2 == 0 else (False, True)):
-                one = run_check(check, disable, 1)
-                o = outcomes[disable]
-                o.results += one.results
-                o.failures += one.failures
-                o.crashes += one.crashes
-                o.hangs += one.hangs
-                o.shown = o.shown or one.shown
-            print(f"[stress] {name} run {i + 1}/{args.runs}: unpatched {outcomes[True].summary()[:80]} | active {outcomes[False].summary()[:80]}",
-                  file=sys.stderr, flush=True)
-        for disable, label in ((True, "TTC_DISABLE=1"), (False, "active")):
+        for k, (i, disable) in enumerate(alternating(args.runs)):  # the modes alternate, one run at a time
+            one = run_check(check, disable, 1)
             o = outcomes[disable]
-            rows.append(f"| {check.hazard} | {name} | {label} | {o.runs} | {o.crashes} | {o.hangs} | {o.failures} | {'yes' if o.shown else 'no'} |")
-            dump[f"{name}/{label}"] = o.results
-    print("| hazard | check | mode | runs | crashed | hung | failed | hazard shown |")
-    print("|---|---|---|---|---|---|---|---|")
-    print("\n".join(rows))
+            o.results += one.results
+            o.failures += one.failures
+            o.crashes += one.crashes
+            o.hangs += one.hangs
+            o.shown = o.shown or one.shown
+            if k % 2:  # both modes of this round done
+                print(f"[stress] {name} run {i + 1}/{args.runs}: unpatched {outcomes[True].summary()[:80]} | active {outcomes[False].summary()[:80]}",
+                      file=sys.stderr, flush=True)
+        for disable in (True, False):
+            o = outcomes[disable]
+            rows.append([check.hazard, name, mode_label(disable), o.runs, o.crashes, o.hangs, o.failures, o.shown])
+            dump[f"{name}/{mode_label(disable)}"] = o.results
+    print(md_table(["hazard", "check", "mode", "runs", "crashed", "hung", "failed", "hazard shown"], rows))
     if args.json:
         args.json.write_text(json.dumps(dump, indent=1))
     return 0

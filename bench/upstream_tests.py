@@ -83,10 +83,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterable, Optional
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: the package's _env
-from torch_threadsafe_compile._env import child_environ  # noqa: E402 - standard library only, like this script
+from _harness import child_environ, kill_group, write_between  # standard library only, like this script
+from _repo import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 OWN_TESTS = ROOT / "bench" / "pytorch_tests" / "test"
 PLUGINS = ROOT / "bench" / "pytest_plugins"  # on every child's PYTHONPATH: ttc_torch_compat, ttc_parallel_plan
 # Loaded in every pytest child (runs and collection passes): the stored test files collect on other releases.
@@ -300,10 +299,10 @@ def _run(cmd: list[str], cwd: Path, env: dict[str, str], timeout: float,
                         _append(out, f"\n=== stall detector: no output for {now - changed:.0f} s; stacks follow ===\n")
                         _dump_stacks(proc.pid, out)
                     if timed_out or hung:
-                        _kill_group(proc)
+                        kill_group(proc)
                         rc = proc.wait()
         except BaseException:  # Ctrl-C, SIGTERM (see main): the child's group must not outlive us
-            _kill_group(proc)
+            kill_group(proc)
             proc.wait()
             raise
         wall = time.monotonic() - t0
@@ -341,13 +340,6 @@ def _dump_stacks(pid: int, out: "object") -> None:
     try:
         os.kill(pid, signal.SIGABRT)
         time.sleep(5)  # faulthandler writes every thread's Python stack before the process dies
-    except ProcessLookupError:
-        pass
-
-
-def _kill_group(proc: "subprocess.Popen[str]") -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
 
@@ -846,15 +838,7 @@ MD_END = "<!-- upstream-table:end -->"
 def write_md(path: Path, table: str, begin: str = MD_BEGIN, end: str = MD_END) -> None:
     """Replace the part between the markers when the file has them (docs/upstream-tests.md does), else
     write the table alone."""
-    MD_BEGIN, MD_END = begin, end  # noqa: N806
-    text = path.read_text(encoding="utf-8") if path.is_file() else ""
-    if MD_BEGIN in text and MD_END in text:
-        head, rest = text.split(MD_BEGIN, 1)
-        tail = rest.split(MD_END, 1)[1]
-        text = f"{head}{MD_BEGIN}\n{table}{MD_END}{tail}"
-    else:
-        text = table
-    path.write_text(text, encoding="utf-8")
+    write_between(path, begin, end, table, whole_if_missing=True)
 
 
 def to_json(results: list[FileResult], probes: dict[str, dict]) -> dict:

@@ -22,13 +22,10 @@ each round, so that two commits are compared on the same machine state (each chi
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import os
-import sys
+import statistics
 
-sys.path.insert(0, os.path.dirname(__file__))
-from _common import run_child  # noqa: E402
+from _harness import ACTIVE, UNPATCHED, run_child_json
 
 # Both versions of the function live in one process: `plain` is compiled while the package is
 # uninstalled (no gate, upstream's wrapper), `gated` after install(). Batches alternate between them.
@@ -105,7 +102,7 @@ def main() -> None:
     for i in range(a.pairs):
         for t in (trees if i % 2 == 0 else trees[::-1]):
             order = (False, True) if i % 2 == 0 else (True, False)
-            got = {disabled: json.loads(run_child(SMALLEST, disabled, tree=t)) for disabled in order}
+            got = {disabled: run_child_json(SMALLEST, disabled, tree=t) for disabled in order}
             origin[t] = got[False][1]
             pairs[t].append((got[False][0], got[True][0]))
     for t in trees:
@@ -117,7 +114,7 @@ def main() -> None:
     runs: dict[str | None, list[list[float]]] = {t: [] for t in trees}
     for i in range(a.rounds):
         for t in (trees if i % 2 == 0 else trees[::-1]):
-            runs[t].append(json.loads(run_child(WARM.format(backend=a.backend), False, tree=t)))
+            runs[t].append(run_child_json(WARM.format(backend=a.backend), False, tree=t))
     for t in trees:
         gated = statistics.median(r[0] for r in runs[t])
         plain = statistics.median(r[1] for r in runs[t])
@@ -127,9 +124,9 @@ def main() -> None:
     for t in trees:
         res = {}
         for disabled in (False, True):
-            st = [json.loads(run_child(STAMPEDE.format(backend=a.backend, n=a.threads), disabled, tree=t)) for _ in range(3)]
+            st = [run_child_json(STAMPEDE.format(backend=a.backend, n=a.threads), disabled, tree=t) for _ in range(3)]
             res[disabled] = (sorted(r[0] for r in st)[1], sorted(r[1] for r in st)[1])
-        for disabled, mode in ((False, "active"), (True, "TTC_DISABLE=1")):
+        for disabled, mode in ((False, ACTIVE), (True, UNPATCHED)):
             single, stamp = res[disabled]
             print(f"[{label[t]}] stampede of {a.threads} threads ({a.backend}), {mode}: {stamp:.2f} s vs one compile {single:.2f} s "
                   f"-> ratio {stamp / single:.2f} (median of 3)")

@@ -12,13 +12,15 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
+from _harness import kill_children_on_stop
+
 from . import ROOT
 from .measure import run_version
 from .provenance import command_line, revision
 from .render import render
 from .rows import ROW_KEYS, ROWS, Row
 from .scrub import SCRUB
-from .supervise import kill_children_on_stop, log
+from .supervise import log
 from .venvs import DEFAULT_VENV_ROOT, DEFAULT_VERSIONS, MIN_FREE_GB, VENV_ROOT_ENV
 
 Job = Tuple[str, Path, bool]  # (version, venv, reused)

@@ -13,10 +13,12 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List
 
+from _harness import result_line, run_proc
+
 from . import ROOT
 from .rows import Row
 from .scrub import SCRUB
-from .supervise import child_env, failure_info, log, result_line, run_proc
+from .supervise import child_env, failure_info, log
 from .venvs import prepare_venv, venv_python
 
 MODES = (("unpatched", True), ("active", False))  # (name, TTC_DISABLE)

@@ -1,36 +1,30 @@
-"""Running children: own process group, timeout, and what is known when one dies without a result.
+"""What is known when a child dies without a result, and the environment of the matrix's children.
 
-A crash is summarised as rc, signal name, faulthandler's ``Fatal Python error`` headline and the innermost
-frame of the crashing thread (its stack is kept for the details section). Nothing here raises for a child's
-sake: every run returns a dict, so that one crash never costs the rest of a matrix.
+Children run under the bench harness (``bench/_harness.py``: ``run_proc``, own process group, timeout, never
+raising for the child's sake). A crash is summarised here as rc, signal name, faulthandler's ``Fatal Python
+error`` headline and the innermost frame of the crashing thread (its stack is kept for the details section):
+every run returns a dict, so that one crash never costs the rest of a matrix.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
-import subprocess
-import sys
-import threading
-import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
-from ._package_env import child_environ
+from _harness import child_environ
+from _harness import log as _log
 
 from .scrub import SCRUB
-
-_print_lock = threading.Lock()
-_children: "set[subprocess.Popen[str]]" = set()  # running children, killed if we are stopped
 
 # Fatal-error headlines that say no more than the signal already does.
 _PLAIN_HEADLINES = ("segmentation fault", "aborted", "bus error", "floating point exception")
 
 
 def log(msg: str, tag: str = "compat") -> None:
-    with _print_lock:
-        print(f"[{tag} {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+    """The harness's progress line, tagged ``compat`` unless said otherwise."""
+    _log(msg, tag)
 
 
 def child_env(disable: bool, pythonpath: Optional[str] = None) -> Dict[str, str]:
@@ -43,62 +37,6 @@ def child_env(disable: bool, pythonpath: Optional[str] = None) -> Dict[str, str]
     if pythonpath:
         env["PYTHONPATH"] = pythonpath
     return env
-
-
-def _kill_group(p: "subprocess.Popen[str]") -> None:
-    try:
-        os.killpg(p.pid, signal.SIGKILL)  # the child leads its own session: this is its group only
-    except (ProcessLookupError, PermissionError):
-        try:
-            p.kill()
-        except OSError:
-            pass
-
-
-def _on_stop(signum: int, _frame: Any) -> None:
-    for p in list(_children):
-        _kill_group(p)
-    raise SystemExit(128 + signum)
-
-
-def kill_children_on_stop() -> None:
-    """SIGTERM / SIGINT kill every running child's process group before we exit."""
-    signal.signal(signal.SIGTERM, _on_stop)
-    signal.signal(signal.SIGINT, _on_stop)
-
-
-def run_proc(cmd: List[str], env: Dict[str, str], timeout: float, cwd: Optional[str] = None) -> Dict[str, Any]:
-    """Run ``cmd`` in its own process group; on timeout kill that group. Never raises for the child's sake."""
-    t0 = time.monotonic()
-    try:
-        p = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             errors="replace", start_new_session=True)
-    except OSError as e:
-        return {"rc": None, "stdout": "", "stderr": f"{type(e).__name__}: {e}", "timeout": False, "secs": 0.0}
-    _children.add(p)
-    try:
-        out, err = p.communicate(timeout=timeout)
-        timed_out = False
-    except subprocess.TimeoutExpired:
-        _kill_group(p)
-        out, err = p.communicate()
-        timed_out = True
-    finally:
-        _children.discard(p)
-    return {"rc": p.returncode, "stdout": out or "", "stderr": err or "", "timeout": timed_out,
-            "secs": round(time.monotonic() - t0, 1)}
-
-
-def result_line(stdout: str, prefix: str = "RESULT ") -> Optional[Dict[str, Any]]:
-    """The JSON object of the last ``prefix`` line, or None (no such line, or not JSON)."""
-    for line in reversed(stdout.splitlines()):
-        if line.startswith(prefix):
-            try:
-                value = json.loads(line[len(prefix):])
-            except ValueError:
-                return None
-            return value if isinstance(value, dict) else None
-    return None
 
 
 def signal_name(rc: Optional[int]) -> str:

@@ -18,10 +18,11 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List
 
+from _harness import child_environ, run_proc
+
 from . import ROOT
-from ._package_env import child_environ
 from .scrub import SCRUB
-from .supervise import child_env, last_line, log, run_proc
+from .supervise import child_env, last_line, log
 
 # The latest patch release of every minor release the package supports.
 DEFAULT_VERSIONS = ["2.4.1", "2.5.1", "2.6.0", "2.7.1", "2.8.0", "2.9.1", "2.10.0", "2.11.0", "2.12.1", "2.13.0",
