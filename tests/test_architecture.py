@@ -6,7 +6,10 @@
 * no frame locals read for control flow: ``f_locals`` appears only where guards are evaluated on a
   frame's arguments (``first_compile/_cache_probe.py``);
 * no module outside ``_env`` reads the package's ``TTC_*`` variables, in the trainer, the benches and the test
-  harness too: they ask ``status()``.
+  harness too: they ask ``status()``;
+* every bench script is named in the docs (or the README), and every bench command the docs quote names a
+  script that exists: a figure's command can be run again, and no script is left unexplained;
+* every module of ``ttc_testing/scenarios/`` is found by the package and registers scenarios.
 """
 
 from __future__ import annotations
@@ -206,3 +209,55 @@ def test_no_module_outside_env_reads_the_package_variables() -> None:
                 reads += _variable_reads(path)
     assert not reads, "\n".join(reads)
     assert _variable_reads(PKG / "_env.py"), "the scan finds nothing even in the parser: it proves nothing"
+
+
+REPO = PKG.parent
+BENCH = REPO / "bench"
+
+
+def _docs_text() -> str:
+    return "\n".join(p.read_text() for p in [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))])
+
+
+def _bench_scripts() -> list[str]:
+    """What is run by hand or by CI: ``bench/*.py`` and ``bench/*.sh`` (not the ``_`` helpers they import) and the
+    pytest plugins. The packages under bench/ (``compat``) belong to the script that imports them, and
+    ``pytorch_tests`` holds upstream's test files, not ours."""
+    paths = [*BENCH.glob("*.py"), *BENCH.glob("*.sh"), *(BENCH / "pytest_plugins").glob("*.py")]
+    return sorted(str(p.relative_to(REPO)) for p in paths if not p.name.startswith("_"))
+
+
+def test_every_bench_script_is_named_in_the_docs() -> None:
+    """A bench script backs a figure the docs quote (with the command that made it), or serves one that does.
+    A script no document names is a one-off: its findings go into the docs and the script into the history."""
+    scripts = _bench_scripts()
+    assert "bench/warm_call.py" in scripts and "bench/pytest_plugins/ttc_parallel_plan.py" in scripts, scripts
+    text = _docs_text()
+    unnamed = [s for s in scripts if s not in text]
+    assert not unnamed, f"bench scripts that no document in docs/ or README.md names: {unnamed}"
+
+
+def test_bench_commands_in_the_docs_name_existing_scripts() -> None:
+    """``python bench/x.py ...`` / ``bash bench/x.sh ...`` in the docs: x exists (a removed one-off probe is named
+    as such, not as a command to run)."""
+    commands = re.findall(r"\b(?:python3?|bash)\s+(bench/[\w./-]+\.(?:py|sh))\b", _docs_text())
+    assert len(commands) > 20, "the scan found almost no bench command: it proves nothing"
+    missing = sorted({c for c in commands if not (REPO / c).is_file()})
+    assert not missing, f"the docs quote commands of bench scripts that do not exist: {missing}"
+
+
+def test_scenario_modules_are_found_and_register_scenarios() -> None:
+    """``ttc_testing.scenarios`` imports every module of its package (pkgutil): a new module needs no other edit."""
+    import sys
+
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    from ttc_testing import scenarios
+
+    files = sorted(p.stem for p in (REPO / "ttc_testing" / "scenarios").glob("*.py") if not p.stem.startswith("_"))
+    assert files == scenarios.MODULES
+    for name in files:
+        module = sys.modules[f"ttc_testing.scenarios.{name}"]
+        mine = [k for k, v in scenarios.SCENARIOS.items() if getattr(v, "__module__", None) == module.__name__]
+        assert mine, f"ttc_testing/scenarios/{name}.py registers no scenario"
+        assert all(getattr(scenarios, k) is scenarios.SCENARIOS[k] for k in mine)
