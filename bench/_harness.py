@@ -33,7 +33,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from _repo import ROOT  # the repository root, on sys.path too: ttc_testing and examples import from there
 
@@ -54,12 +54,12 @@ def mode_label(disabled: bool) -> str:
     return UNPATCHED if disabled else ACTIVE
 
 
-def scenario_env(disabled: bool) -> Dict[str, str]:
+def scenario_env(disabled: bool) -> dict[str, str]:
     """The variables to lay over a child's environment for one mode (``ttc_testing``'s ``run(env=...)``)."""
     return {"TTC_DISABLE": "1" if disabled else "0"}
 
 
-def alternating(rounds: int, disabled_first: bool = True) -> Iterator[Tuple[int, bool]]:
+def alternating(rounds: int, disabled_first: bool = True) -> Iterator[tuple[int, bool]]:
     """``(round, disabled)`` for both modes in every round, the order swapped from one round to the next."""
     for i in range(rounds):
         first = disabled_first if i % 2 == 0 else not disabled_first
@@ -67,10 +67,10 @@ def alternating(rounds: int, disabled_first: bool = True) -> Iterator[Tuple[int,
         yield i, not first
 
 
-def alternate(measure: Callable[[bool], float], rounds: int) -> Dict[str, float]:
+def alternate(measure: Callable[[bool], float], rounds: int) -> dict[str, float]:
     """Run ``measure(disabled)`` alternately (ABBA...) so drifts of the machine hit both sides alike."""
-    on: List[float] = []
-    off: List[float] = []
+    on: list[float] = []
+    off: list[float] = []
     for _, disabled in alternating(rounds, disabled_first=False):
         (off if disabled else on).append(measure(disabled))
     m_on, m_off = statistics.median(on), statistics.median(off)
@@ -81,7 +81,7 @@ def alternate(measure: Callable[[bool], float], rounds: int) -> Dict[str, float]
 # Children.
 
 
-def child_env(disabled: Union[bool, str, None], tree: Optional[str] = None) -> Dict[str, str]:
+def child_env(disabled: bool | str | None, tree: str | None = None) -> dict[str, str]:
     """The environment of a benchmark child: the caller's without ``TTC_*``; ``TTC_DISABLE=1`` when
     ``disabled`` is True, ``TTC_DISABLE=<disabled>`` for a string (patch ids, e.g. ``first_compile``), the package's
     default (active) for False or None; with ``tree`` (a checkout of this project) first on ``PYTHONPATH``, so
@@ -97,7 +97,7 @@ def child_env(disabled: Union[bool, str, None], tree: Optional[str] = None) -> D
     return env
 
 
-def run_child(code: str, disabled: bool, args: Tuple[str, ...] = (), tree: Optional[str] = None) -> str:
+def run_child(code: str, disabled: bool, args: tuple[str, ...] = (), tree: str | None = None) -> str:
     """``python [args] -c code`` in a fresh interpreter of one mode; its stdout (it raises if the child fails)."""
     p = subprocess.run([sys.executable, *args, "-c", code], env=child_env(disabled, tree), capture_output=True, text=True)
     if p.returncode:
@@ -105,13 +105,13 @@ def run_child(code: str, disabled: bool, args: Tuple[str, ...] = (), tree: Optio
     return p.stdout
 
 
-def run_child_json(code: str, disabled: bool, args: Tuple[str, ...] = (), tree: Optional[str] = None) -> Any:
+def run_child_json(code: str, disabled: bool, args: tuple[str, ...] = (), tree: str | None = None) -> Any:
     """The JSON value that ``run_child`` printed on its last line."""
     return json.loads(run_child(code, disabled, args, tree).strip().splitlines()[-1])
 
 
 _print_lock = threading.Lock()
-_children: "set[subprocess.Popen[str]]" = set()  # running children of run_proc, killed if we are stopped
+_children: set[subprocess.Popen[str]] = set()  # running children of run_proc, killed if we are stopped
 
 
 def log(msg: str, tag: str = "bench") -> None:
@@ -120,7 +120,7 @@ def log(msg: str, tag: str = "bench") -> None:
         print(f"[{tag} {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def kill_group(p: "subprocess.Popen[Any]") -> None:
+def kill_group(p: subprocess.Popen[Any]) -> None:
     """SIGKILL to the process group that child ``p`` leads (its compile workers too); ``p`` alone if it leads none."""
     try:
         os.killpg(p.pid, signal.SIGKILL)
@@ -155,7 +155,7 @@ def kill_children_on_stop() -> None:
     signal.signal(signal.SIGINT, _on_stop)
 
 
-def run_proc(cmd: List[str], env: Dict[str, str], timeout: float, cwd: Optional[str] = None) -> Dict[str, Any]:
+def run_proc(cmd: list[str], env: dict[str, str], timeout: float, cwd: str | None = None) -> dict[str, Any]:
     """Run ``cmd`` in its own process group; on timeout kill that group. Never raises for the child's sake:
     ``{"rc", "stdout", "stderr", "timeout", "secs"}`` (``rc`` None when it could not start)."""
     t0 = time.monotonic()
@@ -178,7 +178,7 @@ def run_proc(cmd: List[str], env: Dict[str, str], timeout: float, cwd: Optional[
             "secs": round(time.monotonic() - t0, 1)}
 
 
-def result_line(stdout: str, prefix: str = "RESULT ") -> Optional[Dict[str, Any]]:
+def result_line(stdout: str, prefix: str = "RESULT ") -> dict[str, Any] | None:
     """The JSON object of the last ``prefix`` line, or None (no such line, or not JSON)."""
     for line in reversed(stdout.splitlines()):
         if line.startswith(prefix):
@@ -190,7 +190,7 @@ def result_line(stdout: str, prefix: str = "RESULT ") -> Optional[Dict[str, Any]
     return None
 
 
-def cold_env(disabled: bool, cache: str, watchdog_s: Optional[float] = None) -> Dict[str, str]:
+def cold_env(disabled: bool, cache: str, watchdog_s: float | None = None) -> dict[str, str]:
     """A child's environment in one mode with an inductor/Triton cache of its own (``cache``, empty: cold
     compiles), the repository root on ``PYTHONPATH`` (the child imports ``ttc_testing`` and the bench script
     from there), unbuffered output; ``watchdog_s``: the package's compile-lock watchdog."""
@@ -201,7 +201,7 @@ def cold_env(disabled: bool, cache: str, watchdog_s: Optional[float] = None) -> 
     return env
 
 
-def run_cold(cmd: List[str], disabled: bool, timeout: float, watchdog_s: Optional[float] = None) -> Dict[str, Any]:
+def run_cold(cmd: list[str], disabled: bool, timeout: float, watchdog_s: float | None = None) -> dict[str, Any]:
     """``run_proc`` of ``cmd`` from the repository root with ``cold_env`` and a fresh cache directory, removed
     afterwards."""
     cache = tempfile.mkdtemp(prefix="ttc-bench-cache-")
@@ -211,12 +211,12 @@ def run_cold(cmd: List[str], disabled: bool, timeout: float, watchdog_s: Optiona
         shutil.rmtree(cache, ignore_errors=True)
 
 
-def run_row(pr: Dict[str, Any], **head: Any) -> Dict[str, Any]:
+def run_row(pr: dict[str, Any], **head: Any) -> dict[str, Any]:
     """The row of one ``run_proc`` run: ``head`` (the job's labels), ``job_wall_s``, ``rc`` (None: killed at its
     timeout), then the fields of its RESULT line with ``completed=True``, or, without one,
     ``completed=False, ok=False``, ``hung`` and the tail of its stderr."""
     rc = None if pr["timeout"] else pr["rc"]
-    row: Dict[str, Any] = {**head, "job_wall_s": pr["secs"], "rc": rc}
+    row: dict[str, Any] = {**head, "job_wall_s": pr["secs"], "rc": rc}
     res = result_line(pr["stdout"])
     if res is not None:
         row.update(completed=True, **res)
@@ -226,8 +226,8 @@ def run_row(pr: Dict[str, Any], **head: Any) -> Dict[str, Any]:
     return row
 
 
-def run_pool(jobs: List[Dict[str, Any]], run: Callable[[Dict[str, Any]], Dict[str, Any]], parallel: int,
-             budget_s: float, hide: Sequence[str] = ("traceback", "tail")) -> List[Dict[str, Any]]:
+def run_pool(jobs: list[dict[str, Any]], run: Callable[[dict[str, Any]], dict[str, Any]], parallel: int,
+             budget_s: float, hide: Sequence[str] = ("traceback", "tail")) -> list[dict[str, Any]]:
     """``run(job)`` for every job, ``parallel`` at a time (they share one GPU), rows in the jobs' order; a job not
     started within ``budget_s`` of the first gets ``skipped="budget"`` instead. Each row is printed as one JSON
     line (without the ``hide`` keys) as it comes."""
@@ -235,7 +235,7 @@ def run_pool(jobs: List[Dict[str, Any]], run: Callable[[Dict[str, Any]], Dict[st
 
     t0 = time.time()
 
-    def one(job: Dict[str, Any]) -> Dict[str, Any]:
+    def one(job: dict[str, Any]) -> dict[str, Any]:
         if time.time() - t0 > budget_s:
             return {"job": job["tag"], "scenario": job["name"], "package": mode_label(job["disabled"]),
                     "completed": False, "ok": False, "skipped": "budget"}
@@ -247,7 +247,7 @@ def run_pool(jobs: List[Dict[str, Any]], run: Callable[[Dict[str, Any]], Dict[st
         return list(pool.map(one, jobs))
 
 
-def report_pool(rows: List[Dict[str, Any]], json_path: Optional[str], table: str, t0: float) -> None:
+def report_pool(rows: list[dict[str, Any]], json_path: str | None, table: str, t0: float) -> None:
     """The end of a ``run_pool`` bench: every row to ``json_path`` (if any), the table, and how many active runs
     were ok."""
     if json_path:
@@ -259,7 +259,7 @@ def report_pool(rows: List[Dict[str, Any]], json_path: Optional[str], table: str
     print(f"active: {sum(bool(r.get('ok')) for r in active)}/{len(active)} runs ok; total {time.time() - t0:.0f} s")
 
 
-def child_call(fn: Callable[[bool], Dict[str, Any]], watchdog: float) -> Dict[str, Any]:
+def child_call(fn: Callable[[bool], dict[str, Any]], watchdog: float) -> dict[str, Any]:
     """In a child: ``fn(unpatched_side())`` under a faulthandler watchdog (a hang prints every thread's stack and
     exits after ``watchdog`` s); an exception is reported as ``ok=False`` with its kind and traceback."""
     import faulthandler
@@ -274,7 +274,7 @@ def child_call(fn: Callable[[bool], Dict[str, Any]], watchdog: float) -> Dict[st
     return res
 
 
-def print_result(res: Dict[str, Any]) -> None:
+def print_result(res: dict[str, Any]) -> None:
     """A child's answer: one ``RESULT`` JSON line (what ``result_line`` reads)."""
     print("RESULT " + json.dumps(res, default=str), flush=True)
 

@@ -31,7 +31,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Sequence
 
 from _harness import child_environ, kill_group, own_group, result_line
 from _repo import ROOT
@@ -39,7 +39,7 @@ from _repo import ROOT
 TRAIN = ROOT / "examples" / "specdec" / "train.py"
 
 
-def run_one(label: str, args: List[str], env: Dict[str, str], out: Path, timeout: float) -> Dict[str, Any]:
+def run_one(label: str, args: list[str], env: dict[str, str], out: Path, timeout: float) -> dict[str, Any]:
     """One trainer run in its own process group (a timeout kills compile workers and samplers too); stdout and
     stderr are kept next to its outputs."""
     out.mkdir(parents=True, exist_ok=True)
@@ -50,7 +50,7 @@ def run_one(label: str, args: List[str], env: Dict[str, str], out: Path, timeout
                             preexec_fn=own_group)
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
-        rc: Optional[int] = proc.returncode
+        rc: int | None = proc.returncode
     except subprocess.TimeoutExpired:
         kill_group(proc)
         stdout, stderr = proc.communicate()
@@ -61,7 +61,7 @@ def run_one(label: str, args: List[str], env: Dict[str, str], out: Path, timeout
     wall = time.monotonic() - t0
     (out / "stdout.log").write_text(stdout)
     (out / "stderr.log").write_text(stderr)
-    summary: Dict[str, Any] = {}
+    summary: dict[str, Any] = {}
     if (out / "summary.json").exists():
         try:
             summary = json.loads((out / "summary.json").read_text())
@@ -90,7 +90,7 @@ def fmt(x: object, nd: int = 1) -> str:
     return str(x)
 
 
-def status_of(r: Dict[str, Any]) -> str:
+def status_of(r: dict[str, Any]) -> str:
     s = r["summary"] or {}
     if r["rc"] is None:
         return "timeout"
@@ -102,19 +102,19 @@ def status_of(r: Dict[str, Any]) -> str:
     return status
 
 
-def steady(r: Dict[str, Any], kind: str = "drafter") -> Optional[float]:
+def steady(r: dict[str, Any], kind: str = "drafter") -> float | None:
     tp = ((r["summary"] or {}).get("throughput") or {}).get(kind) or {}
     return tp.get("steady_tokens_per_s")
 
 
-def table(results: List[Dict[str, Any]]) -> str:
+def table(results: list[dict[str, Any]]) -> str:
     """With / without TTC table (also used by bench/scaling.py)."""
     head = ["run", "status", "exit", "hung?", "wall s", "first step s (target / drafter)",
             "tokens/s target", "tokens/s drafter", "steady drafter tokens/s", "unique graphs", "recompiles",
             "errors", "peak GPU MiB", "τ start → end", "TTC active"]
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results:
-        s: Dict = r["summary"] or {}
+        s: dict = r["summary"] or {}
         tp = s.get("throughput", {}) or {}
         tgt, dra = tp.get("target", {}) or {}, tp.get("drafter", {}) or {}
         comp = s.get("compile", {}) or {}
@@ -135,20 +135,20 @@ def table(results: List[Dict[str, Any]]) -> str:
     return "\n".join(rows)
 
 
-def layout_table(results: List[Dict[str, Any]]) -> str:
+def layout_table(results: list[dict[str, Any]]) -> str:
     head = ["run", "status", "steady tokens/s drafter (target)", "vs sequential", "first step s (target / drafter)",
             "wall s", "MFU target / drafter (steady share)", "MFU in interval target / drafter", "GPU util %",
             "host CPU s/s", "peak GPU MiB allocated / reserved", "τ start → end", "losses vs sequential",
             "unique graphs", "errors", "compile cache"]
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results:
-        s: Dict = r["summary"] or {}
+        s: dict = r["summary"] or {}
         tp = s.get("throughput", {}) or {}
         mfu = s.get("mfu", {}) or {}
         phases = mfu.get("phases", {}) or {}
         peak = s.get("peak_gpu_mem_bytes") or ((s.get("peak_gpu_mem_mib") or 0) * 2**20) or None
         reserved = s.get("peak_gpu_reserved_bytes")
-        share = lambda k: (mfu.get(k) or {}).get("mfu") if isinstance(mfu.get(k), dict) else mfu.get(k)  # noqa: E731
+        share = lambda k, mfu=mfu: (mfu.get(k) or {}).get("mfu") if isinstance(mfu.get(k), dict) else mfu.get(k)  # noqa: E731
         pct = lambda x: f"{100 * x:.1f} %" if isinstance(x, (int, float)) else "–"  # noqa: E731
         rows.append("| " + " | ".join([
             r["label"], status_of(r),
@@ -167,10 +167,10 @@ def layout_table(results: List[Dict[str, Any]]) -> str:
     return "\n".join(rows)
 
 
-def train_losses(out: Optional[str]) -> Dict[int, float]:
+def train_losses(out: str | None) -> dict[int, float]:
     """Per-step training losses of one run, from its ``metrics.jsonl`` (empty when the run left none)."""
     path = Path(out) / "metrics.jsonl" if out else None
-    losses: Dict[int, float] = {}
+    losses: dict[int, float] = {}
     if path is None or not path.exists():
         return losses
     for line in path.read_text().splitlines():
@@ -192,8 +192,8 @@ LOSS_TOL = 0.05
 LOSS_WINDOW = 20
 
 
-def loss_agreement(a: Dict[int, float], b: Dict[int, float], tol: float = LOSS_TOL,
-                   window: int = LOSS_WINDOW) -> Optional[Dict[str, Any]]:
+def loss_agreement(a: dict[int, float], b: dict[int, float], tol: float = LOSS_TOL,
+                   window: int = LOSS_WINDOW) -> dict[str, Any] | None:
     """Compare two runs' per-step losses over the steps both logged. They agree when the mean absolute difference
     over every ``window`` consecutive common steps (all of them, if fewer) is at most ``tol``; otherwise they
     depart from the first step of the first such window whose own difference exceeds ``tol``. Also returns the
@@ -216,7 +216,7 @@ def loss_agreement(a: Dict[int, float], b: Dict[int, float], tol: float = LOSS_T
             "max_window_mean": worst_mean, "first_over_tol": first, "tol": tol, "agree": first is None}
 
 
-def agreement_text(ag: Optional[Dict[str, Any]]) -> str:
+def agreement_text(ag: dict[str, Any] | None) -> str:
     if ag is None:
         return "–"
     if ag["agree"]:
@@ -226,7 +226,7 @@ def agreement_text(ag: Optional[Dict[str, Any]]) -> str:
             f"steps, max {ag['max_abs']:.3g} at step {ag['max_at']}; tol {ag['tol']:g})")
 
 
-def parse_threads(spec: str) -> List[Tuple[int, int]]:
+def parse_threads(spec: str) -> list[tuple[int, int]]:
     out = []
     for part in spec.split(","):
         t, _, d = part.strip().partition("+")
@@ -240,32 +240,32 @@ class Budget:
     """Wall-clock budget over all runs: each run gets min(its timeout, what is left); runs that cannot get
     ``min_s`` are skipped and reported as such."""
 
-    def __init__(self, seconds: Optional[float]) -> None:
+    def __init__(self, seconds: float | None) -> None:
         self.deadline = time.monotonic() + seconds if seconds else None
 
-    def grant(self, timeout: float, min_s: float = 30.0) -> Optional[float]:
+    def grant(self, timeout: float, min_s: float = 30.0) -> float | None:
         if self.deadline is None:
             return timeout
         left = self.deadline - time.monotonic()
         return min(timeout, left) if left >= min_s else None
 
 
-def skipped(label: str) -> Dict[str, Any]:
+def skipped(label: str) -> dict[str, Any]:
     return {"label": label, "cmd": [], "rc": "skipped", "wall": 0.0, "summary": {"status": "skipped (budget)"},
             "stderr_tail": "", "out": None}
 
 
-def compare_layouts(preset: str, pairs: List[Tuple[int, int]], base: List[str], env: Dict[str, str], work: Path,
+def compare_layouts(preset: str, pairs: list[tuple[int, int]], base: list[str], env: dict[str, str], work: Path,
                     timeout: float, budget: Budget, cache: str, tag: str = "", sequential_first: bool = True,
-                    layouts: Tuple[str, ...] = ("sequential", "threaded"),
-                    variants: Sequence[Tuple[str, List[str]]] = (("", []),),
-                    loss_tol: float = LOSS_TOL) -> List[Dict[str, Any]]:
+                    layouts: tuple[str, ...] = ("sequential", "threaded"),
+                    variants: Sequence[tuple[str, list[str]]] = (("", []),),
+                    loss_tol: float = LOSS_TOL) -> list[dict[str, Any]]:
     """For every T+D: threaded(T, D) once per variant (a label suffix and extra flags), and sequential(D) once per
     distinct D (before or after the threaded runs); ratio = steady drafter tokens/s of threaded / sequential
     with the same D; ``losses`` = ``loss_agreement`` of their per-step losses (variants must not change what is
     trained: threads, streams, graphs, priorities)."""
     # (label, trainer flags, D, layout, variant)
-    plan: List[Tuple[str, List[str], int, str, str]] = []
+    plan: list[tuple[str, list[str], int, str, str]] = []
     seq_plan = [(f"sequential ×{d}", ["--layout", "sequential", "--drafter-threads", str(d)], d, "sequential", "")
                 for d in dict.fromkeys(d for _, d in pairs)] if "sequential" in layouts else []
     thr_plan = [(f"threaded {t}+{d}{suffix}", ["--layout", "threaded", "--target-threads", str(t),
@@ -278,7 +278,7 @@ def compare_layouts(preset: str, pairs: List[Tuple[int, int]], base: List[str], 
         plan += [sp for sp in seq_plan if sp not in plan]
     else:
         plan = thr_plan + seq_plan
-    results: List[Dict[str, Any]] = []
+    results: list[dict[str, Any]] = []
     runs_done = 0
     for label, extra, d, layout, variant in plan:
         grant = budget.grant(timeout)
@@ -311,7 +311,7 @@ def compare_layouts(preset: str, pairs: List[Tuple[int, int]], base: List[str], 
     return results
 
 
-def parse_variant(spec: str) -> Tuple[str, List[str]]:
+def parse_variant(spec: str) -> tuple[str, list[str]]:
     """``LABEL=FLAGS`` -> (" LABEL", [flags]) for ``compare_layouts``."""
     label, sep, flags = spec.partition("=")
     if not sep or not label.strip():
@@ -368,7 +368,7 @@ def main() -> int:
     budget = Budget(a.budget)
     title = (f"### Trainer benchmark: preset `{a.preset}`{' ' + a.extra if a.extra else ''}"
              f"{f', {a.steps} steps' if a.steps else ''}, compile caches: {cache}\n\n")
-    differ: List[Dict[str, Any]] = []  # layouts: threaded runs whose losses depart from their sequential run's
+    differ: list[dict[str, Any]] = []  # layouts: threaded runs whose losses depart from their sequential run's
     if a.compare == "layouts":
         from examples.specdec import config
 

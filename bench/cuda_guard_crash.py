@@ -34,7 +34,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any
 
 from _harness import kill_children_on_stop, result_line, run_proc
 from compat.scrub import SCRUB
@@ -82,13 +82,13 @@ BUILD_PROBE = (
 MODES = {"unpatched": True, "active": False}  # mode -> TTC_DISABLE
 
 
-def build_info(py: Path, cwd: str) -> Dict[str, Any]:
+def build_info(py: Path, cwd: str) -> dict[str, Any]:
     pr = run_proc([str(py), "-c", BUILD_PROBE], child_env(disable=True), 300, cwd=cwd)
     info = result_line(pr["stdout"], "BUILD ")
     return info if info is not None else {"error": failure_info(pr, 300)["short"]}
 
 
-def one_run(py: Path, mode: str, seconds: float, min_calls: int, timeout: float, cwd: str) -> Dict[str, Any]:
+def one_run(py: Path, mode: str, seconds: float, min_calls: int, timeout: float, cwd: str) -> dict[str, Any]:
     """``outcome``: ok, crash (killed by a signal or a fatal error), timeout, or error (exited without a result)."""
     cmd = [str(py), "-X", "faulthandler", "-c", REPRO, str(seconds), str(min_calls)]
     pr = run_proc(cmd, child_env(MODES[mode]), timeout, cwd=cwd)
@@ -105,7 +105,7 @@ def one_run(py: Path, mode: str, seconds: float, min_calls: int, timeout: float,
     return info
 
 
-def headline(run: Dict[str, Any]) -> str:
+def headline(run: dict[str, Any]) -> str:
     """What a crash is known by: faulthandler's headline and the crashing thread's innermost frame."""
     fatal = run.get("fatal", "").replace("Fatal Python error: ", "")
     site = run.get("crash_site", "")
@@ -114,7 +114,7 @@ def headline(run: Dict[str, Any]) -> str:
 
 @dataclass(frozen=True)
 class Plan:
-    modes: List[str]
+    modes: list[str]
     runs: int  # per mode
     seconds: float
     min_calls: int
@@ -122,9 +122,9 @@ class Plan:
     include_cpu: bool
 
 
-def run_version(label: str, venv: Path, plan: Plan) -> Dict[str, Any]:
+def run_version(label: str, venv: Path, plan: Plan) -> dict[str, Any]:
     py = venv_python(venv)
-    out: Dict[str, Any] = {"label": label, "runs": {m: [] for m in plan.modes}}
+    out: dict[str, Any] = {"label": label, "runs": {m: [] for m in plan.modes}}
     with tempfile.TemporaryDirectory(prefix="ttc-cuda-guard-") as cwd:
         if not py.exists():
             out["skipped"] = "no venv"
@@ -143,7 +143,7 @@ def run_version(label: str, venv: Path, plan: Plan) -> Dict[str, Any]:
     return out
 
 
-def summary(res: Dict[str, Any], mode: str) -> Dict[str, Any]:
+def summary(res: dict[str, Any], mode: str) -> dict[str, Any]:
     rs = res["runs"][mode]
     crashes = [r for r in rs if r["outcome"] == "crash"]
     return {
@@ -156,7 +156,7 @@ def summary(res: Dict[str, Any], mode: str) -> Dict[str, Any]:
     }
 
 
-def table(results: List[Dict[str, Any]], modes: List[str]) -> str:
+def table(results: list[dict[str, Any]], modes: list[str]) -> str:
     lines = ["| torch | CUDA | GPU visible | mode | crashed / runs | signals | most frequent headline | other |",
              "|---|---|---|---|---|---|---|---|"]
     for res in results:
@@ -175,7 +175,7 @@ def table(results: List[Dict[str, Any]], modes: List[str]) -> str:
     return "\n".join(lines)
 
 
-def _targets(args: argparse.Namespace, ap: argparse.ArgumentParser) -> List[Tuple[str, Path]]:
+def _targets(args: argparse.Namespace, ap: argparse.ArgumentParser) -> list[tuple[str, Path]]:
     if args.venv:
         out = []
         for item in args.venv:
@@ -188,7 +188,7 @@ def _targets(args: argparse.Namespace, ap: argparse.ArgumentParser) -> List[Tupl
     return [(v, root / f"torch-{v}") for v in args.versions]
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     kill_children_on_stop()
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -44,7 +44,20 @@ import threading
 import time
 from typing import Any, Callable
 
-from _harness import ACTIVE, UNPATCHED, cell, child_call, error_kind, mode_label, print_result, report_pool, run_cold, run_pool, run_row
+from _harness import (
+    ACTIVE,
+    UNPATCHED,
+    cell,
+    child_call,
+    error_kind,
+    md_table,
+    mode_label,
+    print_result,
+    report_pool,
+    run_cold,
+    run_pool,
+    run_row,
+)
 
 PATCH_ID = "cudagraph_trees_per_thread"
 DEVICE = "cuda"  # the child's; "cpu" only for a dry run of the bench's own plumbing (no CUDA graphs there)
@@ -69,7 +82,7 @@ def _patch_state(disabled: bool) -> dict[str, Any]:
             row = rows[PATCH_ID]
             return {"state": row["state"], "reason": row.get("reason", ""), "by": "registry"}
         out["registry"] = "not registered"
-    except Exception as e:  # noqa: BLE001 - the bench reports it and applies by hand
+    except Exception as e:  # the bench reports it and applies by hand
         out["registry"] = f"status() failed: {type(e).__name__}: {e}"
     import importlib
 
@@ -97,7 +110,7 @@ class Counts:
         def mode_of(manager: Any, fid: Callable[[tuple[Any, ...]], Any], args: tuple[Any, ...]) -> str:
             try:
                 return manager.id_to_mode[fid(args)].name
-            except Exception:  # noqa: BLE001 - keyword call, or trees without modes
+            except Exception:  # keyword call, or trees without modes
                 return "?"
 
         def wrap(name: str, kind: str, fid: Callable[[tuple[Any, ...]], Any]) -> None:
@@ -118,7 +131,7 @@ class Counts:
     def owner(self) -> int:
         try:
             return id(self.cgt.get_obj(self.cgt.local, "tree_manager_containers"))
-        except Exception:  # noqa: BLE001 - upstream asserts in threads without containers
+        except Exception:  # upstream asserts in threads without containers
             return -1
 
     def add(self, kind: str, mode: str) -> None:
@@ -172,7 +185,7 @@ def _patch_report(state: dict[str, Any]) -> dict[str, Any]:
         import importlib
 
         return importlib.import_module(f"torch_threadsafe_compile.patches.{PATCH_ID}").report()
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         return {"report_error": str(e)}
 
 
@@ -181,7 +194,7 @@ def _mlp(torch: Any, width: int, hidden: int) -> Any:
 
 
 def child_layout(which: str, disabled: bool, threads: int = 16, calls: int = 8, width: int = 256) -> dict[str, Any]:
-    torch, cgt, counts, state = _setup(disabled)
+    torch, _cgt, counts, state = _setup(disabled)
     t0 = time.time()
     dev = DEVICE
     torch.manual_seed(0)
@@ -202,7 +215,7 @@ def child_layout(which: str, disabled: bool, threads: int = 16, calls: int = 8, 
                 row["max_err"] = max(row["max_err"], err)
                 if not torch.allclose(out, ref, rtol=1e-3, atol=1e-3):
                     row["mismatches"] += 1
-            except Exception as e:  # noqa: BLE001 - counted per kind
+            except Exception as e:  # counted per kind
                 row["errors"] += 1
                 row["kinds"][error_kind(e)] += 1
 
@@ -272,10 +285,10 @@ def _opt_step(opt: Any) -> None:
 def child_training(disabled: bool, threads: int = 4, steps: int = 8, width: int = 64) -> dict[str, Any]:
     import copy
 
-    torch, cgt, counts, state = _setup(disabled)
+    torch, _cgt, counts, state = _setup(disabled)
     t0 = time.time()
     dev = DEVICE
-    F = torch.nn.functional
+    F = torch.nn.functional  # noqa: N806 - torch's own short name
     torch.manual_seed(0)
     base = torch.nn.Sequential(torch.nn.Linear(width, 4 * width), torch.nn.ReLU(), torch.nn.Linear(4 * width, width)).to(dev)
 
@@ -324,7 +337,7 @@ def child_training(disabled: bool, threads: int = 4, steps: int = 8, width: int 
                 losses.append(float(loss))
                 opt_step(opt)
                 opt.zero_grad(set_to_none=True)
-        except Exception as e:  # noqa: BLE001 - counted
+        except Exception as e:  # counted
             row["errors"] += 1
             row["kinds"][error_kind(e)] += 1
         ref_losses, ref_params = refs[i]
@@ -369,7 +382,8 @@ def child_training(disabled: bool, threads: int = 4, steps: int = 8, width: int 
     kinds: collections.Counter[str] = collections.Counter()
     for r in [baseline, *rows]:
         kinds.update(r["kinds"])
-    ok_threads = [r for r in rows if r["errors"] == 0 and r["matches_eager"] and r["replays"]["FORWARD"] > 0 and r["replays"]["BACKWARD"] > 0]
+    ok_threads = [r for r in rows
+                  if r["errors"] == 0 and r["matches_eager"] and r["replays"]["FORWARD"] > 0 and r["replays"]["BACKWARD"] > 0]
     res = {
         "threads": threads, "steps": steps, "baseline": baseline, "rows": rows,
         "errors": sum(r["errors"] for r in rows), "baseline_errors": baseline["errors"],
@@ -415,7 +429,7 @@ def child_memory(disabled: bool, threads: int = 4, calls: int = 6, width: int = 
         try:
             mgr = cgt.get_manager(torch.cuda.current_device(), create_if_none_exists=False)
             return tuple(mgr.cuda_graphs_thread_pool) if mgr is not None else None
-        except Exception:  # noqa: BLE001 - upstream asserts in threads without containers
+        except Exception:  # upstream asserts in threads without containers
             return None
 
     def run(row: dict[str, Any]) -> None:
@@ -427,7 +441,7 @@ def child_memory(disabled: bool, threads: int = 4, calls: int = 6, width: int = 
                     if not torch.allclose(out, model(x), rtol=1e-3, atol=1e-3):
                         row["mismatches"] += 1
                 row["calls"] += 1
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 row["errors"] += 1
                 row["kinds"][error_kind(e)] += 1
         row["pool"] = my_pool()
@@ -595,62 +609,54 @@ def _why(r: dict[str, Any]) -> Any:
     return r.get("kinds") or r.get("exception") or r.get("exit_problem")
 
 
-def _row(*cells: Any) -> str:
-    return "| " + " | ".join(cell(x) for x in cells) + " |"
+def _wall(r: dict[str, Any]) -> Any:
+    return r.get("wall_s", r.get("job_wall_s"))
 
 
 def tables(rows: list[dict[str, Any]]) -> str:
     out = []
     lay = [r for r in rows if r["scenario"] in LAYOUTS]
     if lay:
-        out += ["| layout | package | threads | ok | calls | errors | mismatches | threads with replays | threads with own tree | min replays/thread | fallbacks | graphs | wall s | errors seen |",
-                "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-        for r in lay:
-            out.append(_row(r["scenario"][7:], r["package"], r.get("threads"), r.get("ok"), r.get("ok_calls"),
-                                                                r.get("errors"), r.get("mismatches"), r.get("threads_with_replays"),
-                                                                r.get("threads_with_own_tree"), r.get("min_replays"),
-                                                                r.get("fallbacks"), r.get("graphs"), r.get("wall_s", r.get("job_wall_s")),
-                                                                _why(r)))
-        out.append("")
+        out += [md_table(["layout", "package", "threads", "ok", "calls", "errors", "mismatches", "threads with replays",
+                          "threads with own tree", "min replays/thread", "fallbacks", "graphs", "wall s", "errors seen"],
+                         [[r["scenario"][7:], r["package"], r.get("threads"), r.get("ok"), r.get("ok_calls"), r.get("errors"),
+                           r.get("mismatches"), r.get("threads_with_replays"), r.get("threads_with_own_tree"), r.get("min_replays"),
+                           r.get("fallbacks"), r.get("graphs"), _wall(r), _why(r)] for r in lay]), ""]
     tr = [r for r in rows if r["scenario"] == "training"]
     if tr:
-        out += ["| training | package | threads | ok | errors | matching eager | fwd+bwd replays in | opt replays in | main thread (baseline) | wall s | errors seen |",
-                "|---|---|---|---|---|---|---|---|---|---|---|"]
+        body = []
         for r in tr:
             b = r.get("baseline") or {}
             base = f"errors {b.get('errors')}, eager match {cell(b.get('matches_eager'))}, replays {cell(b.get('replays'))}" if b else None
-            out.append(_row("step", r["package"], r.get("threads"), r.get("ok"), r.get("errors"),
-                                                                r.get("threads_matching_eager"), r.get("threads_with_fwd_bwd_replays"),
-                                                                r.get("threads_with_opt_replays"), base, r.get("wall_s", r.get("job_wall_s")),
-                                                                _why(r)))
-        out.append("")
+            body.append(["step", r["package"], r.get("threads"), r.get("ok"), r.get("errors"), r.get("threads_matching_eager"),
+                         r.get("threads_with_fwd_bwd_replays"), r.get("threads_with_opt_replays"), base, _wall(r), _why(r)])
+        out += [md_table(["training", "package", "threads", "ok", "errors", "matching eager", "fwd+bwd replays in", "opt replays in",
+                          "main thread (baseline)", "wall s", "errors seen"], body), ""]
     mem = [r for r in rows if r["scenario"] == "memory"]
     if mem:
-        out += ["| memory | package | threads | ok | main pool MiB | thread pools MiB (mean) | left after threads ended MiB | main pool after `torch._dynamo.reset()` MiB | reserved MiB start / alive / ended / reset | errors seen |",
-                "|---|---|---|---|---|---|---|---|---|---|"]
+        body = []
         for r in mem:
             rv = r.get("reserved_mib") or {}
             res_s = " / ".join(cell(rv.get(k)) for k in ("start", "threads_alive", "threads_ended", "after_reset")) if rv else None
-            out.append(_row("pools", r["package"], r.get("threads"), r.get("ok"), r.get("main_pool_mib"),
-                                                                r.get("thread_pool_mib_mean"), r.get("thread_pools_left_after_end_mib"),
-                                                                r.get("main_pool_after_reset_mib"), res_s, _why(r)))
-        out.append("")
+            body.append(["pools", r["package"], r.get("threads"), r.get("ok"), r.get("main_pool_mib"), r.get("thread_pool_mib_mean"),
+                         r.get("thread_pools_left_after_end_mib"), r.get("main_pool_after_reset_mib"), res_s, _why(r)])
+        out += [md_table(["memory", "package", "threads", "ok", "main pool MiB", "thread pools MiB (mean)",
+                          "left after threads ended MiB", "main pool after `torch._dynamo.reset()` MiB",
+                          "reserved MiB start / alive / ended / reset", "errors seen"], body), ""]
     h4 = [r for r in rows if r["scenario"] == "h4"]
     if h4:
-        out += ["| H4 + reduce-overhead targets | runs | completed | hung | with errors | not run | target replays (min) | wall s (min–max) |",
-                "|---|---|---|---|---|---|---|---|"]
+        body = []
         for pkg in (UNPATCHED, ACTIVE):
             sel = [r for r in h4 if r["package"] == pkg]
             if not sel:
                 continue
             walls = [r.get("wall_s") for r in sel if r.get("completed") and r.get("wall_s") is not None]
             reps = [r.get("target_replays") for r in sel if r.get("completed")]
-            out.append(_row(
-                pkg, len(sel), sum(bool(r.get("completed")) for r in sel), sum(bool(r.get("hung")) for r in sel),
-                sum(1 for r in sel if r.get("completed") and r.get("errors")), sum(1 for r in sel if r.get("skipped")),
-                min(reps) if reps else None,
-                f"{min(walls):g}–{max(walls):g}" if walls else None))
-        out.append("")
+            body.append([pkg, len(sel), sum(bool(r.get("completed")) for r in sel), sum(bool(r.get("hung")) for r in sel),
+                         sum(1 for r in sel if r.get("completed") and r.get("errors")), sum(1 for r in sel if r.get("skipped")),
+                         min(reps) if reps else None, f"{min(walls):g}–{max(walls):g}" if walls else None])
+        out += [md_table(["H4 + reduce-overhead targets", "runs", "completed", "hung", "with errors", "not run",
+                          "target replays (min)", "wall s (min–max)"], body), ""]
     return "\n".join(out)
 
 

@@ -33,21 +33,21 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any
 
 from _harness import child_environ
 from bench_trainer import Budget, agreement_text, compare_layouts, layout_table, steady
 
 PARTS = {
-    "small": dict(preset="cuda-small", steps=1000, measure_after=200, pairs=[(3, 2), (4, 4)], timeout=170),
-    "8b": dict(preset="cuda-8b", steps=50, measure_after=10, pairs=[(1, 1)], timeout=330, hang=300),
-    "multi": dict(preset="multi-gpu", steps=200, measure_after=40, pairs=[(1, 1), (3, 2), (5, 3)], timeout=150),
-    "eager": dict(preset="cuda-small", steps=120, measure_after=30, pairs=[(3, 2)], timeout=170,
-                  extra=["--no-step-graphs", "--target-compile-mode", "default", "--drafter-compile-mode", "default",
-                         "--mask-builder", "dense"]),
-    "profile": dict(preset="cuda-small", steps=60, measure_after=30, pairs=[(3, 2)], timeout=150,
-                    extra=["--profile", "{out}/profile-cuda-small", "--profile-steps", "40:45"],
-                    threaded_only=True),
+    "small": {"preset": "cuda-small", "steps": 1000, "measure_after": 200, "pairs": [(3, 2), (4, 4)], "timeout": 170},
+    "8b": {"preset": "cuda-8b", "steps": 50, "measure_after": 10, "pairs": [(1, 1)], "timeout": 330, "hang": 300},
+    "multi": {"preset": "multi-gpu", "steps": 200, "measure_after": 40, "pairs": [(1, 1), (3, 2), (5, 3)], "timeout": 150},
+    "eager": {"preset": "cuda-small", "steps": 120, "measure_after": 30, "pairs": [(3, 2)], "timeout": 170,
+              "extra": ["--no-step-graphs", "--target-compile-mode", "default", "--drafter-compile-mode", "default",
+                        "--mask-builder", "dense"]},
+    "profile": {"preset": "cuda-small", "steps": 60, "measure_after": 30, "pairs": [(3, 2)], "timeout": 150,
+                "extra": ["--profile", "{out}/profile-cuda-small", "--profile-steps", "40:45"],
+                "threaded_only": True},
 }
 
 
@@ -90,7 +90,7 @@ def main() -> int:
     if a.extra or a.part_extra:
         header += f"; extra flags: {a.extra!r} {a.part_extra!r}"
     print(header, flush=True)
-    all_results: Dict[str, List[Dict[str, Any]]] = {}
+    all_results: dict[str, list[dict[str, Any]]] = {}
     md = [f"# {header}", ""]
     for part in [p.strip() for p in a.parts.split(",") if p.strip()]:
         if part not in PARTS:
@@ -126,13 +126,13 @@ def main() -> int:
     return 1 if failed else 0
 
 
-def effective(flags: List[str], name: str) -> str:
+def effective(flags: list[str], name: str) -> str:
     """The value the trainer will see for ``name``: the last occurrence wins (argparse)."""
     values = [flags[i + 1] for i, f in enumerate(flags[:-1]) if f == name]
     return values[-1] if values else "?"
 
 
-def checks(results: Dict[str, List[Dict[str, Any]]]) -> List[str]:
+def checks(results: dict[str, list[dict[str, Any]]]) -> list[str]:
     """The issue's acceptance criteria, evaluated on what ran."""
     lines = []
     for part in ("small", "multi"):
@@ -155,7 +155,7 @@ def checks(results: Dict[str, List[Dict[str, Any]]]) -> List[str]:
     for r in results.get("8b", []):
         s = r["summary"] or {}
         mfu = s.get("mfu") or {}
-        get = lambda k: (mfu.get(k) or {}).get("mfu") if isinstance(mfu.get(k), dict) else mfu.get(k)  # noqa: E731
+        get = lambda k, mfu=mfu: (mfu.get(k) or {}).get("mfu") if isinstance(mfu.get(k), dict) else mfu.get(k)  # noqa: E731
         phases = mfu.get("phases") or {}
         lines.append(f"- {r['label']}: status {s.get('status')}, steps {s.get('steps_done')}, drafter "
                      f"{steady(r) or 0:,.0f} tokens/s, target {steady(r, 'target') or 0:,.0f} tokens/s; MFU share "

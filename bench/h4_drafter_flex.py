@@ -11,25 +11,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
-import tempfile
 
-from _harness import ACTIVE, UNPATCHED, child_environ, mode_label, result_line, run_proc
-from _repo import ROOT
+from _harness import ACTIVE, UNPATCHED, mode_label, result_line, run_cold
 
 
 def one(disabled: bool, timeout: float, out_dir: str | None, tag: str) -> dict:
-    cache = tempfile.mkdtemp(prefix="ttc-h4-cache-")
-    env = child_environ(disable="1" if disabled else None, watchdog_s=None if disabled else max(10, timeout / 3))
-    env.update(TORCHINDUCTOR_CACHE_DIR=cache, TRITON_CACHE_DIR=os.path.join(cache, "triton"), PYTHONUNBUFFERED="1")
     cmd = [sys.executable, "-X", "faulthandler", "-c",
-           "import faulthandler, sys, json; faulthandler.dump_traceback_later(%r, exit=True); "
+           f"import faulthandler, sys, json; faulthandler.dump_traceback_later({timeout!r}, exit=True); "
            "from ttc_testing.scenarios import drafter_flex; r = drafter_flex(); "
-           "faulthandler.cancel_dump_traceback_later(); print('RESULT ' + json.dumps(r), flush=True)" % (timeout,)]
-    pr = run_proc(cmd, env, timeout + 30, cwd=str(ROOT))  # the child imports ttc_testing from the checkout
+           "faulthandler.cancel_dump_traceback_later(); print('RESULT ' + json.dumps(r), flush=True)"]
+    pr = run_cold(cmd, disabled, timeout + 30, watchdog_s=None if disabled else max(10, timeout / 3))  # a cold cache
     err, rc = pr["stderr"], None if pr["timeout"] else pr["rc"]
-    shutil.rmtree(cache, ignore_errors=True)
     res = result_line(pr["stdout"])
     row = {"run": tag, "package": mode_label(disabled), "wall_s": pr["secs"]}
     if res is not None:

@@ -27,10 +27,12 @@ from ttc_testing import scenarios
 
 # name -> (kwargs, the numbers to report: (key, label, how to summarise))
 ROWS: dict[str, tuple[dict[str, Any], list[tuple[str, str]]]] = {
-    "server_first_request": ({"workers": 8, "backend": "inductor"}, [("first_answers_s", "last first answer s"), ("wrong", "wrong outputs")]),
+    "server_first_request": ({"workers": 8, "backend": "inductor"},
+                             [("first_answers_s", "last first answer s"), ("wrong", "wrong outputs")]),
     "aot_compile_main": ({}, [("ok", "works"), ("error", "error")]),
     "trace_beside_compiles": ({"seconds": 10.0}, [("traces", "FX traces"), ("exports", "exports"), ("errors", "errors")]),
-    "failing_neighbour": ({"seconds": 8.0}, [("target_calls", "target calls"), ("max_warm_call_s", "slowest warm call s"), ("errors", "errors")]),
+    "failing_neighbour": ({"seconds": 8.0},
+                          [("target_calls", "target calls"), ("max_warm_call_s", "slowest warm call s"), ("errors", "errors")]),
 }
 
 

@@ -23,7 +23,6 @@ against a real run.
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import subprocess
 import sys

@@ -45,8 +45,8 @@ def main() -> None:
     bootstrap_import_us()  # first run writes the .pyc files (editable installs have none yet)
     imp = [bootstrap_import_us() for _ in range(a.rounds)]
     wall = alternate(wall_pass, a.rounds)
-    p = subprocess.run([sys.executable, "-c", "import sys; print(sorted(m for m in ('torch','wrapt','packaging','logging') if m in sys.modules))"],
-                       env=child_env(False), capture_output=True, text=True)
+    heavy = "import sys; print(sorted(m for m in ('torch','wrapt','packaging','logging') if m in sys.modules))"
+    p = subprocess.run([sys.executable, "-c", heavy], env=child_env(False), capture_output=True, text=True)
     print(f"bootstrap import at start-up: median {statistics.median(imp):.0f} us, max {max(imp):.0f} us ({a.rounds} runs)")
     print(f"python -c pass: active {wall['active_median']*1e3:.1f} ms, TTC_DISABLE=1 {wall['unpatched_median']*1e3:.1f} ms, "
           f"ratio {wall['ratio']:.3f} (median of {a.rounds} alternating runs)")

@@ -133,8 +133,8 @@ def main(argv: list[str] | None = None) -> int:
             o.hangs += one.hangs
             o.shown = o.shown or one.shown
             if k % 2:  # both modes of this round done
-                print(f"[stress] {name} run {i + 1}/{args.runs}: unpatched {outcomes[True].summary()[:80]} | active {outcomes[False].summary()[:80]}",
-                      file=sys.stderr, flush=True)
+                print(f"[stress] {name} run {i + 1}/{args.runs}: unpatched {outcomes[True].summary()[:80]} "
+                      f"| active {outcomes[False].summary()[:80]}", file=sys.stderr, flush=True)
         for disable in (True, False):
             o = outcomes[disable]
             rows.append([check.hazard, name, mode_label(disable), o.runs, o.crashes, o.hangs, o.failures, o.shown])

@@ -19,10 +19,9 @@ import collections
 import json
 import re
 from pathlib import Path
-from typing import Dict, List, Tuple
 
 # (kind, pattern on the kernel name); the first match wins.
-KINDS: List[Tuple[str, "re.Pattern[str]"]] = [
+KINDS: list[tuple[str, re.Pattern[str]]] = [
     ("matmul", re.compile(r"nvjet|gemm|splitK|xmma|cutlass", re.I)),
     ("flex attention backward", re.compile(r"flex_attention_backward")),
     ("flex attention forward", re.compile(r"flex_attention")),
@@ -39,14 +38,14 @@ def kind_of(name: str) -> str:
     return "other"
 
 
-def kernels(path: Path) -> List[Tuple[str, float]]:
+def kernels(path: Path) -> list[tuple[str, float]]:
     """(name, duration in µs) of every kernel, memcpy and memset on the GPU timeline."""
     events = json.loads(path.read_text())["traceEvents"]
     return [(e["name"], float(e.get("dur", 0.0))) for e in events
             if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
 
 
-def main(argv: List[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("trace", type=Path, help="trace.json from the trainer's --profile")
     p.add_argument("--steps", type=float, default=1.0, help="profiled steps (times are divided by it)")
@@ -59,9 +58,9 @@ def main(argv: List[str] | None = None) -> int:
         print(f"{args.trace}: no GPU kernels in the trace (a CPU run, or kernels hidden inside CUDA graphs)")
         return 1
     total = sum(d for _, d in ks)
-    by_kind: Dict[str, float] = collections.Counter()
-    by_name: Dict[str, float] = collections.Counter()
-    calls: Dict[str, int] = collections.Counter()
+    by_kind: dict[str, float] = collections.Counter()
+    by_name: dict[str, float] = collections.Counter()
+    calls: dict[str, int] = collections.Counter()
     for name, dur in ks:
         by_kind[kind_of(name)] += dur
         by_name[name] += dur

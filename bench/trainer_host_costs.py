@@ -19,7 +19,7 @@ import argparse
 import statistics
 import sys
 import time
-from typing import Callable, List
+from typing import Callable
 
 import torch
 from _repo import ROOT  # noqa: F401  (makes examples.specdec importable)
@@ -29,7 +29,7 @@ from examples.specdec import data as data_mod
 
 
 def per_batch_ms(fn: Callable[[int], object], batches: int, rounds: int, start: int, sync: Callable[[], None]) -> float:
-    times: List[float] = []
+    times: list[float] = []
     for r in range(rounds):
         sync()
         t0 = time.perf_counter()
@@ -50,7 +50,7 @@ def main() -> int:
     cfg = config.resolve({"preset": a.preset})
     device = torch.device(a.device)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    B, S, V, k = cfg.batch_size, cfg.seq_len, cfg.vocab_size, cfg.ttt_steps
+    B, S, V, k = cfg.batch_size, cfg.seq_len, cfg.vocab_size, cfg.ttt_steps  # noqa: N806 - batch, sequence, vocabulary
     rows = [f"### Host time per batch: preset `{a.preset}` ({B} × {S}, k = {k}), device {device}, torch "
             f"{torch.__version__}", "", "| part | variant | host ms per batch |", "|---|---|---|"]
 

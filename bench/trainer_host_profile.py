@@ -28,7 +28,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Counter, Dict, List, Optional
+from typing import Counter
 
 from _repo import ROOT
 
@@ -50,11 +50,11 @@ class Sampler:
     def __init__(self, interval: float, switch: float) -> None:
         self.interval, self.switch = interval, switch
         self.samples: Counter[str] = collections.Counter()
-        self.lines: Dict[str, Counter[str]] = collections.defaultdict(collections.Counter)
-        self.leaf: Dict[str, Counter[str]] = collections.defaultdict(collections.Counter)
-        self.incl: Dict[str, Counter[str]] = collections.defaultdict(collections.Counter)
+        self.lines: dict[str, Counter[str]] = collections.defaultdict(collections.Counter)
+        self.leaf: dict[str, Counter[str]] = collections.defaultdict(collections.Counter)
+        self.incl: dict[str, Counter[str]] = collections.defaultdict(collections.Counter)
         self.stop_ev = threading.Event()
-        self.thread: Optional[threading.Thread] = None
+        self.thread: threading.Thread | None = None
         self.old_switch = sys.getswitchinterval()
         self.wall = 0.0
 
@@ -121,9 +121,9 @@ class Sampler:
         return "\n".join(out)
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    train_args: List[str] = []
+    train_args: list[str] = []
     if "--" in argv:
         i = argv.index("--")
         argv, train_args = argv[:i], argv[i + 1:]

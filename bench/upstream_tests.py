@@ -77,11 +77,11 @@ import sys
 import tempfile
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 import xml.etree.ElementTree as ET
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Iterable
 
 from _harness import child_environ, kill_group, write_between  # standard library only, like this script
 from _repo import ROOT
@@ -150,7 +150,7 @@ class TestFile:
 @dataclass
 class Run:
     mode: str
-    rc: Optional[int]
+    rc: int | None
     wall_s: float
     timed_out: bool = False
     hung: bool = False  # the stall detector stopped it: no output for STALL_S seconds
@@ -233,7 +233,7 @@ def select(files: list[TestFile], include: list[str], exclude: list[str]) -> lis
 # that must stay as laid (permission bits do not stop root), so neither Python nor pytest's assertion
 # rewriting may write __pycache__ next to them. Persistent, so that only the first child of the first run
 # compiles torch's sources into it.
-PYCACHE_PREFIX: Optional[str] = str(Path(tempfile.gettempdir()) / "ttc-upstream-pycache")
+PYCACHE_PREFIX: str | None = str(Path(tempfile.gettempdir()) / "ttc-upstream-pycache")
 
 
 def child_env(mode: str) -> dict[str, str]:
@@ -248,7 +248,7 @@ def child_env(mode: str) -> dict[str, str]:
 
 
 # Parallel runs only (--parallel-threads): the children's address-space limit in bytes (None: no limit).
-MEMORY_LIMIT: Optional[int] = None
+MEMORY_LIMIT: int | None = None
 
 
 def _limit_memory() -> None:  # runs in the child, between fork and exec
@@ -267,7 +267,7 @@ _STOP = threading.Event()
 
 
 def _run(cmd: list[str], cwd: Path, env: dict[str, str], timeout: float,
-         stall_s: float = 0.0) -> tuple[Optional[int], str, float, bool, bool]:
+         stall_s: float = 0.0) -> tuple[int | None, str, float, bool, bool]:
     """Run ``cmd`` in its own process group; on timeout kill the whole group (inductor's compile workers
     included) so nothing of a hung file outlives it. With ``stall_s``, a child whose output has not grown
     for that long is dumped (:func:`_dump_stacks`) and killed. Returns (rc, output, wall, timed out, hung)."""
@@ -279,7 +279,7 @@ def _run(cmd: list[str], cwd: Path, env: dict[str, str], timeout: float,
                                 stdin=subprocess.DEVNULL, start_new_session=True,
                                 preexec_fn=_limit_memory if MEMORY_LIMIT else None)
         timed_out = hung = False
-        rc: Optional[int] = None
+        rc: int | None = None
         size, changed = -1, t0
         try:
             while rc is None:
@@ -287,7 +287,7 @@ def _run(cmd: list[str], cwd: Path, env: dict[str, str], timeout: float,
                     rc = proc.wait(timeout=_POLL_S)
                 except subprocess.TimeoutExpired:
                     if _STOP.is_set():
-                        raise KeyboardInterrupt
+                        raise KeyboardInterrupt from None
                     now = time.monotonic()
                     grown = os.fstat(out.fileno()).st_size
                     if grown != size:
@@ -311,7 +311,7 @@ def _run(cmd: list[str], cwd: Path, env: dict[str, str], timeout: float,
     return rc, text, wall, timed_out, hung
 
 
-def _append(out: "object", text: str) -> None:
+def _append(out: object, text: str) -> None:
     """Append to the child's output file: it shares the file offset with the child, so write through the
     descriptor at its end (a buffered write from here could land on the child's own output)."""
     fd = out.fileno()  # type: ignore[attr-defined]
@@ -319,7 +319,7 @@ def _append(out: "object", text: str) -> None:
     os.write(fd, text.encode("utf-8", "replace"))
 
 
-def _dump_stacks(pid: int, out: "object") -> None:
+def _dump_stacks(pid: int, out: object) -> None:
     """Every thread's native stack of a hung child (py-spy with --native where installed, else gdb), then
     faulthandler's Python stacks: SIGABRT makes the child (run with ``-X faulthandler``) print them as it dies."""
     import shutil
@@ -441,7 +441,7 @@ def plan_env(env: dict[str, str], plan: Path, mode: str) -> dict[str, str]:
 THREAD_PLAN = "union"
 
 
-def make_plan(python: str, f: "TestFile", tmp: Path, timeout: float) -> tuple[Path, str]:
+def make_plan(python: str, f: TestFile, tmp: Path, timeout: float) -> tuple[Path, str]:
     """Which tests of ``f`` run in one thread in both modes (see ttc_parallel_plan and THREAD_PLAN): a
     collection pass per judging mode; with "union", one thread only for the tests both modes judge unsafe."""
     stem = f.key.replace("/", "_").replace(":", "_")
@@ -515,7 +515,7 @@ def crash_frames(text: str, n: int = 4) -> list[str]:
 
 
 def run_file(python: str, f: TestFile, mode: str, tmp: Path, file_timeout: float, test_timeout: float,
-             targets: Optional[list[str]] = None, log_dir: Optional[Path] = None, plan: Optional[Path] = None) -> Run:
+             targets: list[str] | None = None, log_dir: Path | None = None, plan: Path | None = None) -> Run:
     xml = tmp / f"{f.key.replace('/', '_').replace(':', '_')}.{mode}.{time.monotonic_ns()}.xml"
     cmd = pytest_cmd(python, targets or [f.rel], xml, test_timeout)
     env = child_env(mode) if plan is None else plan_env(child_env(mode), plan, "read")
@@ -574,7 +574,7 @@ def log(msg: str) -> None:
     print(f"[upstream {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def file_plan(python: str, f: TestFile, tmp: Path, file_timeout: float) -> Optional[Path]:
+def file_plan(python: str, f: TestFile, tmp: Path, file_timeout: float) -> Path | None:
     """With --parallel-threads: the file's thread plan (``make_plan``), or None when its collection pass
     failed (then the plugin's own verdicts apply in each run)."""
     if PARALLEL_THREADS <= 1:
@@ -587,7 +587,7 @@ def file_plan(python: str, f: TestFile, tmp: Path, file_timeout: float) -> Optio
 
 
 def _run_both_modes(i: int, f: TestFile, python: str, tmp: Path, file_timeout: float, test_timeout: float,
-                    rerun: int, log_dir: Optional[Path], baseline: set[str]) -> FileResult:
+                    rerun: int, log_dir: Path | None, baseline: set[str]) -> FileResult:
     """One file in both modes (the order alternating with ``i``), then its active-only failures alone."""
     order = MODES if i % 2 == 0 else MODES[::-1]
     runs: dict[str, Run] = {}
@@ -609,7 +609,7 @@ def _run_both_modes(i: int, f: TestFile, python: str, tmp: Path, file_timeout: f
 
 
 def run_all(files: list[TestFile], python: str, file_timeout: float, test_timeout: float, rerun: int,
-            log_dir: Optional[Path], jobs: int = 1) -> tuple[list[FileResult], dict[str, dict]]:
+            log_dir: Path | None, jobs: int = 1) -> tuple[list[FileResult], dict[str, dict]]:
     """Every file in both modes. With ``jobs`` > 1, that many files at once (each file's two modes still one
     after the other, in one worker): a verdict per test does not depend on the machine's load the way a
     timing does, so CI runs its comparison two files at a time on two cores."""
@@ -633,7 +633,7 @@ def run_all(files: list[TestFile], python: str, file_timeout: float, test_timeou
 
 
 def run_completion(files: list[TestFile], python: str, file_timeout: float, test_timeout: float, runs: int,
-                   log_dir: Optional[Path]) -> list[dict]:
+                   log_dir: Path | None) -> list[dict]:
     """``--completion-runs K``: each file K times with the package active only (fresh process each, the
     thread plan made once with ``TTC_DISABLE=1`` as in the comparison): does the process complete, and with
     how many tests passed and failed. A crash is the one answer the package must never give, and a rare one
@@ -866,7 +866,7 @@ def _on_sigterm(signum: int, frame: object) -> None:
     raise KeyboardInterrupt  # unwinds like Ctrl-C, so _run kills the running child's process group
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     global PYCACHE_PREFIX, PARALLEL_THREADS, MEMORY_LIMIT, THREAD_PLAN, STALL_S
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -108,8 +108,9 @@ def main() -> None:
     for t in trees:
         ratios_small = sorted(on / off for on, off in pairs[t])
         print(f"[{label[t]}] package {origin[t]}")
-        print(f"[{label[t]}] warm call of the smallest eager-backend function: active {statistics.median(p[0] for p in pairs[t])*1e6:.2f} us, "
-              f"TTC_DISABLE=1 {statistics.median(p[1] for p in pairs[t])*1e6:.2f} us, median ratio of {a.pairs} interpreter pairs "
+        on, off = statistics.median(p[0] for p in pairs[t]), statistics.median(p[1] for p in pairs[t])
+        print(f"[{label[t]}] warm call of the smallest eager-backend function: active {on*1e6:.2f} us, "
+              f"TTC_DISABLE=1 {off*1e6:.2f} us, median ratio of {a.pairs} interpreter pairs "
               f"{statistics.median(ratios_small):.3f} (range {ratios_small[0]:.3f}..{ratios_small[-1]:.3f})")
     runs: dict[str | None, list[list[float]]] = {t: [] for t in trees}
     for i in range(a.rounds):
@@ -119,8 +120,9 @@ def main() -> None:
         gated = statistics.median(r[0] for r in runs[t])
         plain = statistics.median(r[1] for r in runs[t])
         ratios = sorted(r[0] / r[1] for r in runs[t])
-        print(f"[{label[t]}] warm call ({a.backend}): gated {gated*1e6:.2f} us, upstream wrapper {plain*1e6:.2f} us, ratio {gated / plain:.3f} "
-              f"(per-interpreter ratios {ratios[0]:.3f}..{ratios[-1]:.3f}; {a.rounds} interpreters x 40 alternating batches of 2000 calls)")
+        print(f"[{label[t]}] warm call ({a.backend}): gated {gated*1e6:.2f} us, upstream wrapper {plain*1e6:.2f} us, "
+              f"ratio {gated / plain:.3f} (per-interpreter ratios {ratios[0]:.3f}..{ratios[-1]:.3f}; "
+              f"{a.rounds} interpreters x 40 alternating batches of 2000 calls)")
     for t in trees:
         res = {}
         for disabled in (False, True):

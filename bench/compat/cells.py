@@ -4,12 +4,12 @@ line to ``findings``, the list the document prints under *Findings*."""
 from __future__ import annotations
 
 import re
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 from .rows import Row
 from .scrub import SCRUB
 
-VResult = Dict[str, Any]  # one version's results, as measure.run_version returns them
+VResult = dict[str, Any]  # one version's results, as measure.run_version returns them
 ACTIVATED = ("pth", "start", "sitecustomize", "explicit")
 
 
@@ -23,7 +23,7 @@ def short_reason(reason: str) -> str:
     return reason
 
 
-def patch_state(vres: VResult, patch_id: Optional[str]) -> Optional[Dict[str, Any]]:
+def patch_state(vres: VResult, patch_id: str | None) -> dict[str, Any] | None:
     """The patch's entry in ``doctor --json`` when active, or None."""
     act = vres.get("doctor", {}).get("active", {})
     for p in act.get("patches", []) or []:
@@ -32,17 +32,17 @@ def patch_state(vres: VResult, patch_id: Optional[str]) -> Optional[Dict[str, An
     return None
 
 
-def state_text(p: Optional[Dict[str, Any]]) -> str:
+def state_text(p: dict[str, Any] | None) -> str:
     if p is None:
         return "state unknown"
     return p["state"] if p["state"] == "applied" else f"{p['state']}: {short_reason(p.get('reason', ''))}"
 
 
-def value(row: Row, r: Dict[str, Any]) -> str:
+def value(row: Row, r: dict[str, Any]) -> str:
     return r["short"] if r.get("failed") else row.show(r)
 
 
-def _failed_cell(row: Row, v: str, u: Dict[str, Any], a: Dict[str, Any], st: str, findings: List[str]) -> str:
+def _failed_cell(row: Row, v: str, u: dict[str, Any], a: dict[str, Any], st: str, findings: list[str]) -> str:
     """A cell where at least one of the two runs produced no result (crash, timeout, unreadable result)."""
     uv, av = value(row, u), value(row, a)
     if a.get("failed") and not u.get("failed"):
@@ -59,15 +59,15 @@ def _failed_cell(row: Row, v: str, u: Dict[str, Any], a: Dict[str, Any], st: str
     return f"failed both: {uv} ({st})" if uv == av else f"failed both: {uv} → {av} ({st})"
 
 
-def _control_cell(row: Row, v: str, uv: str, av: str, bu: bool, ba: bool, st: str, findings: List[str]) -> str:
+def _control_cell(row: Row, v: str, uv: str, av: str, bu: bool, ba: bool, st: str, findings: list[str]) -> str:
     if not ba:
         return f"kept ({uv} → {av})" if not bu else f"fixed?! ({uv} → {av}; {st})"
     findings.append(f"torch {v}: `{row.invocation}` control broken when active: {av} (unpatched: {uv}; {st})")
     return f"BROKEN: {uv} → {av} ({st})"
 
 
-def _read_pair(row: Row, v: str, u: Dict[str, Any], a: Dict[str, Any], ps: Optional[Dict[str, Any]],
-               findings: List[str]) -> str:
+def _read_pair(row: Row, v: str, u: dict[str, Any], a: dict[str, Any], ps: dict[str, Any] | None,
+               findings: list[str]) -> str:
     """Both runs produced a result: reproduced / absent / skipped, or a problem of the package."""
     st = state_text(ps)
     skipped = ps is not None and ps["state"] == "skipped"
@@ -95,7 +95,7 @@ def _read_pair(row: Row, v: str, u: Dict[str, Any], a: Dict[str, Any], ps: Optio
     return f"absent ({uv} → {av})" + ("" if st == "applied" else f" ({st})")
 
 
-def hazard_cell(row: Row, vres: VResult, findings: List[str]) -> str:
+def hazard_cell(row: Row, vres: VResult, findings: list[str]) -> str:
     if "error" in vres:
         return "not run (venv)"
     pair = vres["rows"].get(row.key)
@@ -108,7 +108,7 @@ def hazard_cell(row: Row, vres: VResult, findings: List[str]) -> str:
     return _read_pair(row, vres["version"], u, a, ps, findings)
 
 
-def patch_cell(patch_id: str, vres: VResult, findings: List[str]) -> str:
+def patch_cell(patch_id: str, vres: VResult, findings: list[str]) -> str:
     if "error" in vres:
         return "not run (venv)"
     act = vres.get("doctor", {}).get("active", {})
@@ -128,9 +128,9 @@ def patch_cell(patch_id: str, vres: VResult, findings: List[str]) -> str:
     return text
 
 
-def version_findings(vres: VResult) -> List[str]:
+def version_findings(vres: VResult) -> list[str]:
     """Activation and doctor problems of one version (not tied to a cell)."""
-    out: List[str] = []
+    out: list[str] = []
     v = vres["version"]
     doctor = vres.get("doctor", {})
     act = doctor.get("active", {})

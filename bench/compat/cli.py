@@ -10,7 +10,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any
 
 from _harness import kill_children_on_stop
 
@@ -23,9 +23,9 @@ from .scrub import SCRUB
 from .supervise import log
 from .venvs import DEFAULT_VENV_ROOT, DEFAULT_VERSIONS, MIN_FREE_GB, VENV_ROOT_ENV
 
-Job = Tuple[str, Path, bool]  # (version, venv, reused)
-Results = List[Dict[str, Any]]  # one entry per version, as measure.run_version returns it
-Meta = Dict[str, Any]  # command, date, secs, revision, end_revision
+Job = tuple[str, Path, bool]  # (version, venv, reused)
+Results = list[dict[str, Any]]  # one entry per version, as measure.run_version returns it
+Meta = dict[str, Any]  # command, date, secs, revision, end_revision
 
 
 def build_parser(doc: str) -> argparse.ArgumentParser:
@@ -52,8 +52,8 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
     return ap
 
 
-def _reused(ap: argparse.ArgumentParser, items: List[str]) -> Dict[str, Path]:
-    reuse: Dict[str, Path] = {}
+def _reused(ap: argparse.ArgumentParser, items: list[str]) -> dict[str, Path]:
+    reuse: dict[str, Path] = {}
     for item in items:
         ver, sep, path = item.partition("=")
         if not sep or not ver or not path:
@@ -63,8 +63,8 @@ def _reused(ap: argparse.ArgumentParser, items: List[str]) -> Dict[str, Path]:
     return reuse
 
 
-def _run_all(jobs: List[Job], rows: List[Row], args: argparse.Namespace) -> Results:
-    def one(job: Job) -> Dict[str, Any]:
+def _run_all(jobs: list[Job], rows: list[Row], args: argparse.Namespace) -> Results:
+    def one(job: Job) -> dict[str, Any]:
         v, venv, reused = job
         try:
             return run_version(v, venv, reused, rows, args.timeout, args.min_free_gb)
@@ -77,9 +77,9 @@ def _run_all(jobs: List[Job], rows: List[Row], args: argparse.Namespace) -> Resu
         return list(ex.map(one, jobs))
 
 
-def _measure(args: argparse.Namespace, argv: List[str], jobs: List[Job], rows: List[Row]) -> Tuple[Results, Meta]:
+def _measure(args: argparse.Namespace, argv: list[str], jobs: list[Job], rows: list[Row]) -> tuple[Results, Meta]:
     outputs = [Path(p) for p in (args.out, args.json) if p]  # written by the run: not "local changes"
-    meta: Dict[str, Any] = {"command": command_line(argv, sys.argv[0]), "revision": revision(outputs),
+    meta: dict[str, Any] = {"command": command_line(argv, sys.argv[0]), "revision": revision(outputs),
                             "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M")}
     t0 = time.monotonic()
     results = _run_all(jobs, rows, args)
@@ -91,7 +91,7 @@ def _measure(args: argparse.Namespace, argv: List[str], jobs: List[Job], rows: L
     return results, meta
 
 
-def _load_one(path: str) -> Tuple[Results, Meta, List[Row]]:
+def _load_one(path: str) -> tuple[Results, Meta, list[Row]]:
     dump = json.loads(Path(path).read_text())
     meta = {k: dump.get(k) for k in ("command", "date", "secs", "end_revision")}
     meta["revision"] = dump.get("revision", "unknown")
@@ -99,7 +99,7 @@ def _load_one(path: str) -> Tuple[Results, Meta, List[Row]]:
     return dump["results"], meta, [r for r in ROWS if r.key in keys]
 
 
-def _load(paths: List[str]) -> Tuple[Results, Meta, List[Row]]:
+def _load(paths: list[str]) -> tuple[Results, Meta, list[Row]]:
     """One dump, or several of the same commit (each its own versions) merged: results in version order, the
     commands one per line, the durations summed; dumps of different commits are refused."""
     parts = [_load_one(p) for p in paths]
@@ -114,7 +114,7 @@ def _load(paths: List[str]) -> Tuple[Results, Meta, List[Row]]:
     if len(parts) > 1:
         commands = list(dict.fromkeys(m["command"] for _, m, _ in parts))
         meta["command"] = "\n".join(commands) + f"\n# {len(parts)} runs of one commit, rendered together with --from-json"
-    by_version: Dict[str, Dict[str, Any]] = {}
+    by_version: dict[str, dict[str, Any]] = {}
     for r in results:  # a version run twice (a venv that could not be made, then was): the run that worked
         if r["version"] not in by_version or "error" in by_version[r["version"]]:
             by_version[r["version"]] = r
@@ -123,7 +123,7 @@ def _load(paths: List[str]) -> Tuple[Results, Meta, List[Row]]:
     return results, meta, rows
 
 
-def main(argv: Optional[List[str]] = None, doc: str = "") -> int:
+def main(argv: list[str] | None = None, doc: str = "") -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     kill_children_on_stop()
     ap = build_parser(doc or (__doc__ or ""))

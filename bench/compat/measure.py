@@ -11,7 +11,7 @@ import json
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any
 
 from _harness import result_line, run_proc
 
@@ -24,13 +24,13 @@ from .venvs import prepare_venv, venv_python
 MODES = (("unpatched", True), ("active", False))  # (name, TTC_DISABLE)
 
 
-def _lacks(pr: Dict[str, Any], res: Dict[str, Any], missing: List[str]) -> Dict[str, Any]:
+def _lacks(pr: dict[str, Any], res: dict[str, Any], missing: list[str]) -> dict[str, Any]:
     return {"failed": True, "rc": pr["rc"], "signal": "", "timeout": False, "fatal": "",
             "last_line": f"result lacks {missing}", "tail": SCRUB("RESULT " + json.dumps(res)), "secs": pr["secs"],
             "short": f"result lacks {', '.join(missing)}"}
 
 
-def run_scenario(py: str, row: Row, disable: bool, timeout: float, cwd: str) -> Dict[str, Any]:
+def run_scenario(py: str, row: Row, disable: bool, timeout: float, cwd: str) -> dict[str, Any]:
     cmd = [py, "-X", "faulthandler", "-m", row.module, *row.args]
     pr = run_proc(cmd, child_env(disable, pythonpath=str(ROOT)), timeout, cwd=cwd)
     res = result_line(pr["stdout"])
@@ -41,7 +41,7 @@ def run_scenario(py: str, row: Row, disable: bool, timeout: float, cwd: str) -> 
     return _lacks(pr, res, missing) if missing else res
 
 
-def run_doctor(py: str, disable: bool, timeout: float, cwd: str) -> Dict[str, Any]:
+def run_doctor(py: str, disable: bool, timeout: float, cwd: str) -> dict[str, Any]:
     pr = run_proc([py, "-X", "faulthandler", "-m", "torch_threadsafe_compile", "doctor", "--json"],
                   child_env(disable), timeout, cwd=cwd)
     out = pr["stdout"]
@@ -61,8 +61,8 @@ def run_doctor(py: str, disable: bool, timeout: float, cwd: str) -> Dict[str, An
     return failure_info(pr, timeout)
 
 
-def _run_rows(version: str, py: str, rows: List[Row], timeout: float, cwd: str) -> Dict[str, Any]:
-    out: Dict[str, Any] = {}
+def _run_rows(version: str, py: str, rows: list[Row], timeout: float, cwd: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
     for row in rows:
         pair = {}
         for mode, disable in MODES:
@@ -74,10 +74,10 @@ def _run_rows(version: str, py: str, rows: List[Row], timeout: float, cwd: str) 
     return out
 
 
-def run_version(version: str, venv: Path, reused: bool, rows: List[Row], timeout: float,
-                min_free_gb: float) -> Dict[str, Any]:
+def run_version(version: str, venv: Path, reused: bool, rows: list[Row], timeout: float,
+                min_free_gb: float) -> dict[str, Any]:
     """Everything measured for one version; ``error`` instead of results when the venv is not usable."""
-    res: Dict[str, Any] = {"version": version, "reused": reused, "rows": {}}
+    res: dict[str, Any] = {"version": version, "reused": reused, "rows": {}}
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="ttc-compat-") as cwd:
         try:

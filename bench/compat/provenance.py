@@ -8,7 +8,7 @@ import os
 import shlex
 import subprocess
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Optional
+from typing import Any, Iterable
 
 from . import ROOT
 from .scrub import SCRUB
@@ -25,7 +25,7 @@ def _git(*args: str) -> str:
     return p.stdout
 
 
-def _fingerprint(changed: List[str]) -> str:
+def _fingerprint(changed: list[str]) -> str:
     """A short hash of the local changes (diff of tracked files, contents of untracked ones): two runs with the
     same commit and fingerprint ran the same code."""
     h = hashlib.sha256(_git("diff", "HEAD", "--binary", "--", *changed).encode())
@@ -36,7 +36,7 @@ def _fingerprint(changed: List[str]) -> str:
     return h.hexdigest()[:10]
 
 
-def revision(exclude: Iterable[Path] = ()) -> Dict[str, Any]:
+def revision(exclude: Iterable[Path] = ()) -> dict[str, Any]:
     """HEAD and the files that differ from it (``git status``: modified, staged, untracked, not ignored).
 
     ``exclude``: files the run itself writes (the document, the JSON dump), which would otherwise make a
@@ -56,15 +56,15 @@ def revision(exclude: Iterable[Path] = ()) -> Dict[str, Any]:
     return {"commit": full[:7], "full": full, "dirty": changed, "fingerprint": _fingerprint(changed) if changed else ""}
 
 
-def _areas(paths: List[str]) -> str:
-    counts: Dict[str, int] = {}
+def _areas(paths: list[str]) -> str:
+    counts: dict[str, int] = {}
     for p in paths:
         top = p.split("/", 1)[0] + ("/" if "/" in p else "")
         counts[top] = counts.get(top, 0) + 1
     return ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
 
 
-def _dirt(rev: Dict[str, Any]) -> str:
+def _dirt(rev: dict[str, Any]) -> str:
     if not rev["dirty"]:
         return "clean (no file differs from the commit)"
     text = (f"DIRTY: {len(rev['dirty'])} files differ from the commit ({_areas(rev['dirty'])}; "
@@ -74,7 +74,7 @@ def _dirt(rev: Dict[str, Any]) -> str:
     return text
 
 
-def describe_run(start: Any, end: Optional[Any]) -> List[str]:
+def describe_run(start: Any, end: Any | None) -> list[str]:
     """Header bullets: the commit, whether the working tree differed from it, and whether either changed while
     the matrix ran (``end``: the revision at the end, None when unknown)."""
     if isinstance(start, str):  # dumps written before revisions were recorded as dicts
@@ -96,7 +96,7 @@ def _path_arg(a: str) -> str:
         return "<dir>/" + p.name
 
 
-def command_line(argv: List[str], script: str) -> str:
+def command_line(argv: list[str], script: str) -> str:
     """The command as typed, with machine-specific paths replaced (reused venvs become ``V=<venv>``)."""
     script = os.path.relpath(os.path.abspath(script), os.getcwd()) if script else "bench/compat_matrix.py"
     if os.path.abspath(os.getcwd()) != str(ROOT):

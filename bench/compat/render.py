@@ -6,14 +6,14 @@ from __future__ import annotations
 import json
 import os
 import platform
-from typing import Any, Dict, List
+from typing import Any
 
 from .cells import hazard_cell, patch_cell, version_findings
 from .provenance import describe_run
 from .rows import Row
 from .scrub import SCRUB
 
-VResult = Dict[str, Any]
+VResult = dict[str, Any]
 
 LEGEND = [
     "Hazard cells read `verdict: unpatched → active (state of the patch that addresses it)`; "
@@ -37,7 +37,7 @@ def md_escape(s: str) -> str:
     return s.replace("|", "\\|").replace("\n", " ")
 
 
-def _header(results: List[VResult], meta: Dict[str, Any]) -> List[str]:
+def _header(results: list[VResult], meta: dict[str, Any]) -> list[str]:
     pyvers = sorted({r.get("venv", {}).get("python", "?") for r in results if "venv" in r})
     return [
         "# Compatibility matrix", "",
@@ -52,16 +52,16 @@ def _header(results: List[VResult], meta: Dict[str, Any]) -> List[str]:
     ]
 
 
-def _patch_ids(results: List[VResult]) -> Dict[str, str]:
+def _patch_ids(results: list[VResult]) -> dict[str, str]:
     """Every patch any version's doctor reported, in first-seen order, with its hazard id."""
-    hazards: Dict[str, str] = {}
+    hazards: dict[str, str] = {}
     for r in results:
         for p in r.get("doctor", {}).get("active", {}).get("patches", []) or []:
             hazards.setdefault(p["id"], p.get("hazard", ""))
     return hazards
 
 
-def _table_row(label: str, cells: List[str]) -> str:
+def _table_row(label: str, cells: list[str]) -> str:
     return f"| {md_escape(label)} | " + " | ".join(md_escape(c) for c in cells) + " |"
 
 
@@ -70,7 +70,7 @@ def _activation(r: VResult) -> str:
     return f"{d.get('unpatched', {}).get('activation', '–')} / {d.get('active', {}).get('activation', '–')}"
 
 
-def _matrix(results: List[VResult], rows: List[Row], findings: List[str]) -> List[str]:
+def _matrix(results: list[VResult], rows: list[Row], findings: list[str]) -> list[str]:
     out = ["| hazard / patch | " + " | ".join(r["version"] for r in results) + " |",
            "|---|" + "---|" * len(results)]
     out.append(_table_row("torch build", [r.get("venv", {}).get("torch", "–") or "–" for r in results]))
@@ -83,26 +83,26 @@ def _matrix(results: List[VResult], rows: List[Row], findings: List[str]) -> Lis
     return out
 
 
-def _findings(findings: List[str]) -> List[str]:
+def _findings(findings: list[str]) -> list[str]:
     if not findings:
         return ["None: every hazard that reproduced is gone when active, no patch failed, no control regressed."]
     return [f"- {md_escape(SCRUB(f))}" for f in dict.fromkeys(findings)]
 
 
-def _doctor_cell(d: Dict[str, Any]) -> str:
+def _doctor_cell(d: dict[str, Any]) -> str:
     if d.get("failed"):
         return d["short"]
     st = ", ".join(f"{p['id']}={p['state']}" for p in d.get("patches", []))
     return f"activation={d.get('activation')}; {st} ({d.get('secs')} s)"
 
 
-def _run_cell(x: Dict[str, Any]) -> str:
+def _run_cell(x: dict[str, Any]) -> str:
     if x.get("failed"):
         return f"{x['short']} ({x['secs']} s)"
     return f"`{json.dumps({k: v for k, v in x.items() if k != 'secs'})}` ({x['secs']} s)"
 
 
-def _runs_table(r: VResult, rows: List[Row]) -> List[str]:
+def _runs_table(r: VResult, rows: list[Row]) -> list[str]:
     dd = r.get("doctor", {})
     out = ["| run | unpatched (TTC_DISABLE=1) | active |", "|---|---|---|",
            f"| `doctor --json` | {md_escape(_doctor_cell(dd.get('unpatched', {})))} | "
@@ -115,8 +115,8 @@ def _runs_table(r: VResult, rows: List[Row]) -> List[str]:
     return out
 
 
-def _failure_details(r: VResult, rows: List[Row]) -> List[str]:
-    out: List[str] = []
+def _failure_details(r: VResult, rows: list[Row]) -> list[str]:
+    out: list[str] = []
     for row in rows:
         pair = r["rows"].get(row.key) or {}
         for mode in ("unpatched", "active"):
@@ -127,7 +127,7 @@ def _failure_details(r: VResult, rows: List[Row]) -> List[str]:
     return out
 
 
-def _version_details(r: VResult, rows: List[Row]) -> List[str]:
+def _version_details(r: VResult, rows: list[Row]) -> list[str]:
     out = ["", f"### torch {r['version']}", ""]
     if "error" in r:
         return out + [f"Not run: {md_escape(r['error'])}"]
@@ -147,9 +147,9 @@ def _version_details(r: VResult, rows: List[Row]) -> List[str]:
     return out + _failure_details(r, rows)
 
 
-def render(results: List[VResult], rows: List[Row], meta: Dict[str, Any]) -> str:
+def render(results: list[VResult], rows: list[Row], meta: dict[str, Any]) -> str:
     """``meta``: command, date, secs, revision (and end_revision) of the run."""
-    findings: List[str] = []
+    findings: list[str] = []
     out = _header(results, meta) + ["", "## Legend", ""] + LEGEND + ["", "## Matrix", ""]
     out += _matrix(results, rows, findings)
     for r in results:

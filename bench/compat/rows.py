@@ -12,11 +12,11 @@ round: the behaviour must be *kept* when active.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable
 
 from torch_threadsafe_compile.registry import SPECS
 
-Result = Dict[str, Any]
+Result = dict[str, Any]
 SCENARIOS = "ttc_testing.scenarios"
 CRASH = "ttc_testing.crash_scenarios"
 
@@ -26,12 +26,12 @@ class Row:
     key: str
     title: str
     scenario: str
-    kwargs: Dict[str, Any]
-    patch: Optional[str]
+    kwargs: dict[str, Any]
+    patch: str | None
     bad: Callable[[Result], bool]
     show: Callable[[Result], str]
-    needs: Tuple[str, ...]
-    control: Optional[Callable[[Result, Result], Optional[str]]] = None
+    needs: tuple[str, ...]
+    control: Callable[[Result, Result], str | None] | None = None
     is_control: bool = field(default=False)
     module: str = SCENARIOS
 
@@ -47,7 +47,7 @@ class Row:
         return args if self.module == SCENARIOS else f"{self.module.rsplit('.', 1)[1]}: {args}"
 
     @property
-    def args(self) -> List[str]:
+    def args(self) -> list[str]:
         return [self.scenario] + [f"{k}={v}" for k, v in self.kwargs.items()]
 
 
@@ -100,7 +100,7 @@ def _compiling_show(r: Result) -> str:
     return f"{_n(r['true_in_eager_thread'])} true polls"
 
 
-def _compiling_control(u: Result, a: Result) -> Optional[str]:
+def _compiling_control(u: Result, a: Result) -> str | None:
     # Before 2.13 is_compiling() is False inside a backend (only dynamo-traced code sees True): compare, not demand.
     if u["compiling_thread_saw_true"] and not a["compiling_thread_saw_true"]:
         return "the compiling thread's backend no longer sees is_compiling() == True"
@@ -140,7 +140,7 @@ def _backward_wait_show(r: Result) -> str:
     return f"{'blocked' if r['backward_blocked'] else 'finished'} ({how})"
 
 
-ROWS: List[Row] = [
+ROWS: list[Row] = [
     Row("fx_flag_leak", "FX tracing flag leaks to other threads", "fx_flag_leak", {}, "fx_tracing_flag",
         lambda r: r["errors"] > 0, _errors_show, ("errors",)),
     Row("fx_flag_leak_late", "same, package installed after the fn was compiled", "fx_flag_leak", {"late": 1},

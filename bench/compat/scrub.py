@@ -7,7 +7,6 @@ import re
 import sys
 import tempfile
 from pathlib import Path
-from typing import List, Tuple
 
 from . import ROOT
 
@@ -16,7 +15,7 @@ class Scrubber:
     """Replaces registered path prefixes by labels (``<repo>``, ``<venv>``, ...), then any absolute path left."""
 
     def __init__(self) -> None:
-        self.pairs: List[Tuple[str, str]] = []
+        self.pairs: list[tuple[str, str]] = []
         self.add(str(ROOT), "<repo>")
         self.add(sys.base_prefix, "<python>")
         self.add(sys.prefix, "<python>")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import re
 import signal
-from typing import Any, Dict, Optional, Tuple
+from typing import Any
 
 from _harness import child_environ
 from _harness import log as _log
@@ -27,7 +27,7 @@ def log(msg: str, tag: str = "compat") -> None:
     _log(msg, tag)
 
 
-def child_env(disable: bool, pythonpath: Optional[str] = None) -> Dict[str, str]:
+def child_env(disable: bool, pythonpath: str | None = None) -> dict[str, str]:
     """The caller's environment minus ``TTC_*``, ``PYTHONPATH`` and ``VIRTUAL_ENV``, with the package's mode set.
 
     ``pythonpath``: the only ``PYTHONPATH`` the child gets (the repository root for ``ttc_testing``)."""
@@ -39,7 +39,7 @@ def child_env(disable: bool, pythonpath: Optional[str] = None) -> Dict[str, str]
     return env
 
 
-def signal_name(rc: Optional[int]) -> str:
+def signal_name(rc: int | None) -> str:
     """``SIGSEGV`` for rc -11 (killed by the signal) or 139 (a shell's 128 + signal); '' for a plain exit."""
     if not isinstance(rc, int):
         return ""
@@ -57,7 +57,7 @@ def last_line(text: str) -> str:
     return lines[-1] if lines else ""
 
 
-def crash_stack(text: str) -> Tuple[str, str]:
+def crash_stack(text: str) -> tuple[str, str]:
     """From faulthandler's dump: the crashing thread's frames (innermost first) and its innermost frame."""
     lines = text.splitlines()
     start = next((i for i, ln in enumerate(lines) if ln.startswith("Current thread")), None)
@@ -90,7 +90,7 @@ def _tail(both: str, fatal: str, stack: str) -> str:
     return "\n".join(tail.splitlines()[-25:])
 
 
-def _short(info: Dict[str, Any], timeout: float) -> str:
+def _short(info: dict[str, Any], timeout: float) -> str:
     """One line for a table cell: ``crash rc=-11 SIGSEGV: in file.py:12 fn`` or ``timeout after N s``."""
     if info["timeout"]:
         return f"timeout after {timeout:g} s"
@@ -105,12 +105,12 @@ def _short(info: Dict[str, Any], timeout: float) -> str:
     return f"crash {what}" + (f": {line[:110]}" if line else "")
 
 
-def failure_info(pr: Dict[str, Any], timeout: float) -> Dict[str, Any]:
+def failure_info(pr: dict[str, Any], timeout: float) -> dict[str, Any]:
     """Summary of a run that produced no result: rc, signal, the last line, and faulthandler's headline."""
     both = (pr["stderr"] or "") + "\n" + (pr["stdout"] or "")
     fatal = fatal_headline(both)
     stack, top = crash_stack(both)
-    info: Dict[str, Any] = {
+    info: dict[str, Any] = {
         "failed": True,
         "rc": pr["rc"],
         "signal": signal_name(pr["rc"]),

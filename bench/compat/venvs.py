@@ -16,7 +16,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any
 
 from _harness import child_environ, run_proc
 
@@ -59,7 +59,7 @@ def base_version(v: str) -> str:
     return v.split("+")[0]
 
 
-def probe(py: Path, cwd: str) -> Dict[str, Any]:
+def probe(py: Path, cwd: str) -> dict[str, Any]:
     """Python and torch versions of the venv, and where ``torch_threadsafe_compile`` resolves from there."""
     pr = run_proc([str(py), "-c", PROBE], child_env(disable=True), 300, cwd=cwd)
     for line in pr["stdout"].splitlines():
@@ -80,7 +80,7 @@ def ensure_root(root: Path) -> None:
         marker.write_text("# torch venvs of bench/compat_matrix.py\n*\n")
 
 
-def _pip(py: Path, args: List[str], env: Dict[str, str], label: str) -> None:
+def _pip(py: Path, args: list[str], env: dict[str, str], label: str) -> None:
     log(f"{label}: pip {' '.join(shlex.quote(a) for a in args)}")
     p = subprocess.run([str(py), "-m", "pip", *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                        text=True, errors="replace")
@@ -88,7 +88,7 @@ def _pip(py: Path, args: List[str], env: Dict[str, str], label: str) -> None:
         raise RuntimeError(f"pip {args[0]} failed (rc={p.returncode}): {last_line(p.stdout)}")
 
 
-def _pip_env() -> Dict[str, str]:
+def _pip_env() -> dict[str, str]:
     return child_environ(disable="1")  # pip itself runs in the venv: the package must not patch anything there
 
 
@@ -120,17 +120,17 @@ def _install_torch(py: Path, version: str, min_free_gb: float) -> str:
     return f"installed torch=={version}" + ("" if version in PLAIN_PIP_VERSIONS else " (PIP_CONFIG_FILE=/dev/null)")
 
 
-def _resolves_here(info: Dict[str, Any]) -> bool:
+def _resolves_here(info: dict[str, Any]) -> bool:
     origin = info.get("ttc") or ""
     return bool(origin) and Path(origin).resolve().is_relative_to(ROOT.resolve())  # type: ignore[attr-defined]
 
 
 def prepare_venv(version: str, venv: Path, reused: bool, cwd: str,
-                 min_free_gb: float = MIN_FREE_GB) -> Dict[str, Any]:
+                 min_free_gb: float = MIN_FREE_GB) -> dict[str, Any]:
     """Make sure ``venv`` has torch==version and this package (editable). Returns the probe plus notes.
 
     A reused venv (``--reuse-venv``) is never re-installed into: a torch mismatch is only noted."""
-    notes: List[str] = []
+    notes: list[str] = []
     py = venv_python(venv)
     if not py.exists():
         if reused:
