@@ -48,7 +48,7 @@ import threading
 import time
 import traceback
 import types
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 # --------------------------------------------------------------------------------------------- config
 
@@ -68,25 +68,25 @@ class SoakConfig:
     tracers: int = 1  # extra threads doing fx.symbolic_trace / make_fx / torch.export
     flex: bool = False  # add flex_attention forward functions (slow to compile on CPU)
     seed: int = 0
-    deadline: Optional[float] = None  # seconds after start before the run counts as hung; default derived
-    fault: Optional[str] = None  # one of FAULTS
+    deadline: float | None = None  # seconds after start before the run counts as hung; default derived
+    fault: str | None = None  # one of FAULTS
     fault_k: int = 2  # raise_kth: which backend call raises (1-based)
     slow_s: float = 4.0  # slow_compile: seconds the victim's backend sleeps
     import_dynamo_first: bool = False  # `import torch._dynamo` before any torch.compile (see docs)
     dim: int = 16  # feature size of the inputs
     device: str = "cpu"  # "cuda" on a GPU machine: inputs and module copies live there
-    kinds: Optional[list[str]] = None  # restrict the kinds cycled through (diagnosis); default KINDS
+    kinds: list[str] | None = None  # restrict the kinds cycled through (diagnosis); default KINDS
     # The torture variant: torch._dynamo.reset() every reset_every s (one more thread), and the recompile
     # limit assigned / config.patch'ed every config_every s (another); None: off. Resets force recompiles,
     # so the compile counts then say nothing about H3; errors, mismatches and hangs still count.
-    reset_every: Optional[float] = None
-    config_every: Optional[float] = None
+    reset_every: float | None = None
+    config_every: float | None = None
     # H7's random-number hazard (issue: CUDA graphs while other threads draw): draw every input in the
     # worker threads from the device's default generator (the process-wide one that a CUDA graph capture
     # puts into capture mode) instead of a per-thread CPU generator; and the compile mode
     # ("reduce-overhead": CUDA graphs recorded from many threads). None: torch.compile's default.
     device_rand: bool = False
-    mode: Optional[str] = None
+    mode: str | None = None
 
     def effective_deadline(self) -> float:
         """Generous: cold compiles on 2 CPU cores can take minutes in total, but a hang is still a hang."""
@@ -125,7 +125,7 @@ class Fn:
     kind: str
     graphs_per_guard_set: int
     # run(thread_state, x) -> (compiled_out, eager_out); both tensors or lists of tensors
-    run: Callable[["ThreadState", Any, str], tuple[Any, Any]]
+    run: Callable[[ThreadState, Any, str], tuple[Any, Any]]
     shapes: tuple[tuple[int, ...], ...]
     dynamic: bool = False
     victim: bool = False
@@ -451,7 +451,7 @@ def run_soak(cfg: SoakConfig) -> dict[str, Any]:
     import torch
 
     if cfg.import_dynamo_first:
-        import torch._dynamo  # noqa: F401
+        import torch._dynamo
     fns = _build_functions(cfg, torch)
     import torch._dynamo.utils as du
 
@@ -623,7 +623,8 @@ def run_soak(cfg: SoakConfig) -> dict[str, Any]:
             "guard_sets": len(exercised),
             "expected_graphs": expected_graphs,
             "guard_sets_designed": len({f.guard_key(dt, s, g) for f, dt, s, g in combos}),
-            "graphs_designed": sum(f.graphs_per_guard_set for f, dt, s, g in {f.guard_key(dt, s, g): (f, dt, s, g) for f, dt, s, g in combos}.values()),
+            "graphs_designed": sum(f.graphs_per_guard_set
+                                   for f, dt, s, g in {f.guard_key(dt, s, g): (f, dt, s, g) for f, dt, s, g in combos}.values()),
             "victim_backend_calls": _fault_backend[0].calls if _fault_backend else None,
             "victim_faults": _fault_backend[0].faults if _fault_backend else None,
             "victim_max_call_s": round(rec.victim_max_call_s, 2),
@@ -652,7 +653,7 @@ def _ttc_state() -> dict[str, Any]:
         return {"active": False, "inactive_reason": f"{type(e).__name__}: {e}"}
 
 
-def _first_compile_totals() -> Optional[dict[str, int]]:
+def _first_compile_totals() -> dict[str, int] | None:
     """Totals of the H3 patch's per-code-object stats (None when the patch is not loaded)."""
     mod = sys.modules.get("torch_threadsafe_compile.patches.first_compile")
     if mod is None:
@@ -669,7 +670,7 @@ def _first_compile_totals() -> Optional[dict[str, int]]:
 # --------------------------------------------------------------------------------------------- parent side
 
 
-def run_subprocess(cfg: SoakConfig, disable: bool = False, timeout: Optional[float] = None) -> dict[str, Any]:
+def run_subprocess(cfg: SoakConfig, disable: bool = False, timeout: float | None = None) -> dict[str, Any]:
     """Run ``cfg`` in a fresh interpreter; ``disable`` sets ``TTC_DISABLE=1``.
 
     The child has its own deadline (``cfg.effective_deadline()``); ``timeout`` (default: that + 60 s) is
@@ -695,7 +696,8 @@ def run_subprocess(cfg: SoakConfig, disable: bool = False, timeout: Optional[flo
             res["secs"] = round(time.monotonic() - t0, 1)
             res["stderr_tail"] = p.stderr[-4000:] if res.get("hangs") else ""
             return res
-    return {"rc": p.returncode, "disable": disable, "no_result": True, "secs": round(time.monotonic() - t0, 1), "stderr_tail": (p.stderr or p.stdout)[-4000:]}
+    return {"rc": p.returncode, "disable": disable, "no_result": True, "secs": round(time.monotonic() - t0, 1),
+            "stderr_tail": (p.stderr or p.stdout)[-4000:]}
 
 
 def _child(argv: list[str]) -> int:

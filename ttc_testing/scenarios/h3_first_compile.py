@@ -119,7 +119,8 @@ def guard_fail_fn_threads(threads: int = 4, concurrent: int = 1) -> dict[str, An
 
 
 @scenario
-def lookup_race(threads: int = 16, seconds: float = 6.0, graph_break: int = 0, closure: int = 0, backend: str = "aot_eager") -> dict[str, Any]:
+def lookup_race(threads: int = 16, seconds: float = 6.0, graph_break: int = 0, closure: int = 0,
+                backend: str = "aot_eager") -> dict[str, Any]:
     """H3 (spurious cache misses): every guard set is compiled first, in one thread; then ``threads``
     threads call the function with those same inputs. Any graph compiled after the warm-up is a cache
     entry dynamo's lookup missed (it walks the entry list while other threads move entries to its front).

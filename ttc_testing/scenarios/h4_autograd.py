@@ -29,7 +29,7 @@ def drafter_flex(drafters: int = 3, targets: int = 2, steps: int = 4, seq: int =
     errs: collections.Counter[str] = collections.Counter()
     done: collections.Counter[str] = collections.Counter()
     flex = torch.compile(flex_attention)
-    B, H, S, D = 2, 8, seq, 64
+    B, H, S, D = 2, 8, seq, 64  # noqa: N806 - attention's shape names
 
     def doc_causal(b: Any, h: Any, q: Any, kv: Any) -> Any:
         return (q >= kv) & (q // 256 == kv // 256)

@@ -30,11 +30,11 @@ def first_import(threads: int = 16) -> dict[str, Any]:
                 torch.compile(lambda x: x + i, backend="aot_eager")(torch.randn(4))
             else:
                 torch.export.export(M(), (torch.randn(4),))
-        except BaseException as e:  # noqa: BLE001 - the import errors are the point
+        except BaseException as e:  # the import errors are the point
             errors.append(f"{type(e).__name__}: {str(e)[:100]}")
 
     _start_join([threading.Thread(target=work, args=(i,)) for i in range(threads)])
     import_errors = [e for e in errors if e.startswith(("ImportError", "_DeadlockError", "ModuleNotFoundError"))
                      or "partially initialized module" in e]
     return {"threads": threads, "errors": len(errors), "import_errors": len(import_errors),
-            "kinds": sorted(set(e.split(":")[0] for e in errors)), "first_error": (import_errors or errors or [""])[0]}
+            "kinds": sorted({e.split(":")[0] for e in errors}), "first_error": (import_errors or errors or [""])[0]}
