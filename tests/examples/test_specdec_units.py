@@ -614,7 +614,7 @@ def _green_contexts() -> bool:
 def test_target_sms_stream_runs_eager_compiled_and_graphed_work() -> None:
     """--target-sms: a stream confined to some SMs (runtime.partition_stream) runs eager kernels, compiled code and
     a CUDA graph captured on it with the results of a plain stream; the SM count is checked against the GPU's.
-    (That the work stays on those SMs is measured, not asserted: bench/sm_partition_probe.py.)"""
+    (That the work stays on those SMs was measured, not asserted: docs/results/trainer-h200-sm-partition.md, run M1.)"""
     from examples.specdec.runtime import Lane, sm_limit_problem
 
     dev = torch.device("cuda")
