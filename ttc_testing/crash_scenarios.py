@@ -125,12 +125,7 @@ def export_beside_calls(exporters: int = 2, callers: int = 2, seconds: float = 6
 
     ts = [threading.Thread(target=loop, args=("exports",)) for _ in range(exporters)]
     ts += [threading.Thread(target=loop, args=("calls",)) for _ in range(callers)]
-    for t in ts:
-        t.start()
-    time.sleep(seconds)
-    stop.set()
-    for t in ts:
-        t.join()
+    _run_for(ts, seconds, stop)
     return {**counts, "errors": errors.total(), "kinds": errors.kinds(), "by_kind": dict(list(errors.by_kind.items())[:20])}
 
 
