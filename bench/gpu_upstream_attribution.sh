@@ -3,16 +3,17 @@
 # the given tests (pytest -k expression), serially, once with TTC_DISABLE=1, once active, and once active
 # with each listed patch left out (TTC_DISABLE=<id>), all at the same time on one GPU; results under $OUT.
 #
-#   OUT=/some/dir bash bench/gpu_upstream_attribution.sh "test_multinomial or test_frozen_fn" [patch ...]
+#   OUT=/some/dir bash bench/gpu_upstream_attribution.sh "test_multinomial or test_frozen_fn" patch [patch ...]
 #
 # Upstream's test file needs expecttest and pytest-timeout besides pytest.
-# Default patches: the ones that act on CUDA graphs and random numbers, and lazy_backward (it compiles the
+# The patches to leave out one at a time are named (ids of the patch table, `doctor` lists them): for the
+# CUDA-graph tests, those that act on CUDA graphs and random numbers, and lazy_backward (it compiles the
 # backward with the forward for graphs on an accelerator, which tests that count backward compiles see).
 set -u
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
 K=${1:?a pytest -k expression}; shift
-PATCHES=("$@"); [ ${#PATCHES[@]} -eq 0 ] && PATCHES=(rng_rollback cudagraph_rng cudagraph_trees_per_thread lazy_backward)
+PATCHES=("$@"); [ ${#PATCHES[@]} -gt 0 ] || { echo "name the patches to leave out one at a time (doctor lists them)" >&2; exit 2; }
 OUT=${OUT:-./gpu-attribution-out}; mkdir -p "$OUT"
 run() {  # name, then environment
   local name=$1; shift

@@ -5,7 +5,10 @@ Measures, alternating active and TTC_DISABLE=1 runs:
   ``torch_threadsafe_compile._bootstrap`` and its parent package);
 * wall time of ``python -c pass``.
 
-    python bench/startup.py [--rounds 40]
+    python bench/startup.py [--rounds 40] [--tree . --tree ../other-checkout]
+
+With ``--tree`` (repeatable) every measurement is made for each tree, the trees taking turns within each
+round, so that two commits are compared in one run (each child gets its tree first on ``PYTHONPATH``).
 """
 
 from __future__ import annotations
@@ -20,8 +23,8 @@ import time
 from _harness import alternate, child_env
 
 
-def bootstrap_import_us() -> float:
-    p = subprocess.run([sys.executable, "-X", "importtime", "-c", "pass"], env=child_env(False), capture_output=True, text=True)
+def bootstrap_import_us(tree: str | None = None) -> float:
+    p = subprocess.run([sys.executable, "-X", "importtime", "-c", "pass"], env=child_env(False, tree), capture_output=True, text=True)
     total = 0
     for line in p.stderr.splitlines():
         m = re.match(r"import time:\s+(\d+) \|\s+(\d+) \|\s+(.*)$", line)
@@ -32,25 +35,38 @@ def bootstrap_import_us() -> float:
     return float(total)
 
 
-def wall_pass(disabled: bool) -> float:
+def wall_pass(disabled: bool, tree: str | None = None) -> float:
     t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-c", "pass"], env=child_env(disabled), check=True)
+    subprocess.run([sys.executable, "-c", "pass"], env=child_env(disabled, tree), check=True)
     return time.perf_counter() - t0
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=40)
+    ap.add_argument("--tree", action="append", default=None, metavar="PATH",
+                    help="a checkout of the package to measure (repeatable; default: the installed package)")
     a = ap.parse_args()
-    bootstrap_import_us()  # first run writes the .pyc files (editable installs have none yet)
-    imp = [bootstrap_import_us() for _ in range(a.rounds)]
-    wall = alternate(wall_pass, a.rounds)
+    trees: list[str | None] = list(a.tree) if a.tree else [None]
+    imp: dict[str | None, list[float]] = {t: [] for t in trees}
+    walls: dict[str | None, list[tuple[float, float]]] = {t: [] for t in trees}
+    for t in trees:
+        bootstrap_import_us(t)  # first run writes the .pyc files (editable installs have none yet)
+    for i in range(a.rounds):
+        for t in (trees if i % 2 == 0 else trees[::-1]):
+            imp[t].append(bootstrap_import_us(t))
+            wall = alternate(lambda disabled, t=t: wall_pass(disabled, t), 2)
+            walls[t].append((wall["active_median"], wall["unpatched_median"]))
     heavy = "import sys; print(sorted(m for m in ('torch','wrapt','packaging','logging') if m in sys.modules))"
-    p = subprocess.run([sys.executable, "-c", heavy], env=child_env(False), capture_output=True, text=True)
-    print(f"bootstrap import at start-up: median {statistics.median(imp):.0f} us, max {max(imp):.0f} us ({a.rounds} runs)")
-    print(f"python -c pass: active {wall['active_median']*1e3:.1f} ms, TTC_DISABLE=1 {wall['unpatched_median']*1e3:.1f} ms, "
-          f"ratio {wall['ratio']:.3f} (median of {a.rounds} alternating runs)")
-    print(f"heavy modules imported by `python -c pass` when active: {p.stdout.strip()}")
+    for t in trees:
+        p = subprocess.run([sys.executable, "-c", heavy], env=child_env(False, t), capture_output=True, text=True)
+        on, off = statistics.median(x for x, _ in walls[t]), statistics.median(y for _, y in walls[t])
+        if len(trees) > 1:
+            print(f"== tree {t}")
+        print(f"bootstrap import at start-up: median {statistics.median(imp[t]):.0f} us, max {max(imp[t]):.0f} us ({a.rounds} runs)")
+        print(f"python -c pass: active {on*1e3:.1f} ms, TTC_DISABLE=1 {off*1e3:.1f} ms, "
+              f"ratio {on / off:.3f} (median of {a.rounds} rounds of 2 alternating runs per mode)")
+        print(f"heavy modules imported by `python -c pass` when active: {p.stdout.strip()}")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 A scenario reports numbers, never a verdict; the caller compares the unpatched run (``TTC_DISABLE=1``) with
 the active one. Only the four scenarios of the selftest ship in the wheel; the full set (hazard tests,
-benches, the compatibility matrix) lives in ``ttc_testing/scenarios.py`` of the source tree and registers
+benches, the compatibility matrix) lives in ``ttc_testing/scenarios/`` of the source tree and registers
 itself on top of these.
 
     python -m torch_threadsafe_compile.selftest NAME [key=value ...]

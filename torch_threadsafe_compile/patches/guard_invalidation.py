@@ -12,7 +12,7 @@ entry's raw ``root_mgr`` pointer and evaluates that tree *without holding the GI
 (``__eq__``, lambda guards) let other threads run. A thread that was inside that check when another thread
 invalidated the entry carries on in freed memory: ``SIGSEGV`` in
 ``RootGuardManager::check_nopybind_template`` under ``lookup`` (or ``SIGFPE``/``SIGABRT`` on a destroyed
-mutex or hash table). Reproducer: ``python -m ttc_testing.scenarios guard_invalidation_race`` (crashes
+mutex or hash table). Reproducer: ``python -m ttc_testing.crash_scenarios guard_invalidation_race`` (crashes
 unpatched torch 2.13 in a few seconds, 4 threads); pytest-run-parallel on ``dynamo/test_misc.py`` dies the
 same way (docs/upstream-tests.md). The same holds for the skip-guard-eval stance's diff guard tree:
 ``GuardManagerWrapper.populate_diff_guard_manager`` — run on *every* existing entry of a code object at each
