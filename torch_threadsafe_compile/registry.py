@@ -24,7 +24,11 @@ its hazard test (named in the row). When each patch runs is decided by :mod:`tor
 
 from __future__ import annotations
 
-from typing import Any
+# No `typing` at run time: the table is read when the program first looks for a torch module, before
+# torch itself has imported `typing` (annotations are strings here).
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = ["Frozen", "PatchSpec", "SPECS", "PATCH_MODULES", "CORE_CAPABILITIES", "COMPILER_FLAG_USERS_KNOWN",
            "watched_modules", "capability_providers", "patch_test_files"]
