@@ -97,6 +97,26 @@ def child_env(disabled: bool | str | None, tree: str | None = None) -> dict[str,
     return env
 
 
+def add_tree_option(ap: Any) -> None:
+    """``--tree PATH`` (repeatable): a checkout of the package to measure; several compare commits in one run."""
+    ap.add_argument("--tree", action="append", default=None, metavar="PATH",
+                    help="a checkout of the package to measure (repeatable; default: the installed package)")
+
+
+def trees_of(ap: Any, args: Any) -> list[str | None]:
+    """The trees ``--tree`` named (None: the installed package); a path without the package is a usage error."""
+    trees: list[str | None] = list(args.tree) if args.tree else [None]
+    for t in trees:
+        if t is not None and not os.path.isfile(os.path.join(t, "torch_threadsafe_compile", "__init__.py")):
+            ap.error(f"--tree {t}: no torch_threadsafe_compile package there")
+    return trees
+
+
+def tree_turns(trees: Sequence[str | None], round_no: int) -> Sequence[str | None]:
+    """The trees in the order of round ``round_no``: forwards, then backwards, so drifts hit each alike."""
+    return trees if round_no % 2 == 0 else trees[::-1]
+
+
 def run_child(code: str, disabled: bool, args: tuple[str, ...] = (), tree: str | None = None) -> str:
     """``python [args] -c code`` in a fresh interpreter of one mode; its stdout (it raises if the child fails)."""
     p = subprocess.run([sys.executable, *args, "-c", code], env=child_env(disabled, tree), capture_output=True, text=True)

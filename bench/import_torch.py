@@ -13,7 +13,7 @@ import argparse
 import statistics
 from typing import Any
 
-from _harness import alternate, run_child_json
+from _harness import add_tree_option, alternate, run_child_json, tree_turns, trees_of
 
 CODE = """
 import time, json, sys
@@ -87,14 +87,13 @@ def report(a: argparse.Namespace, res: dict[str, Any]) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=20)
-    ap.add_argument("--tree", action="append", default=None, metavar="PATH",
-                    help="a checkout of the package to measure (repeatable; default: the installed package)")
+    add_tree_option(ap)
     a = ap.parse_args()
-    trees: list[str | None] = list(a.tree) if a.tree else [None]
+    trees = trees_of(ap, a)
     # Rounds of 2 per tree, the trees taking turns, so that both see the same machine drift.
     parts: dict[str | None, list[dict[str, Any]]] = {t: [] for t in trees}
     for i in range(max(1, a.rounds // 2)):
-        for t in (trees if i % 2 == 0 else trees[::-1]):
+        for t in tree_turns(trees, i):
             parts[t].append(measure(2, t))
     for t in trees:
         if len(trees) > 1:

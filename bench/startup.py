@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 
-from _harness import alternate, child_env
+from _harness import add_tree_option, alternate, child_env, tree_turns, trees_of
 
 
 def bootstrap_import_us(tree: str | None = None) -> float:
@@ -44,16 +44,15 @@ def wall_pass(disabled: bool, tree: str | None = None) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=40)
-    ap.add_argument("--tree", action="append", default=None, metavar="PATH",
-                    help="a checkout of the package to measure (repeatable; default: the installed package)")
+    add_tree_option(ap)
     a = ap.parse_args()
-    trees: list[str | None] = list(a.tree) if a.tree else [None]
+    trees = trees_of(ap, a)
     imp: dict[str | None, list[float]] = {t: [] for t in trees}
     walls: dict[str | None, list[tuple[float, float]]] = {t: [] for t in trees}
     for t in trees:
         bootstrap_import_us(t)  # first run writes the .pyc files (editable installs have none yet)
     for i in range(a.rounds):
-        for t in (trees if i % 2 == 0 else trees[::-1]):
+        for t in tree_turns(trees, i):
             imp[t].append(bootstrap_import_us(t))
             wall = alternate(lambda disabled, t=t: wall_pass(disabled, t), 2)
             walls[t].append((wall["active_median"], wall["unpatched_median"]))

@@ -22,10 +22,9 @@ each round, so that two commits are compared on the same machine state (each chi
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 
-from _harness import ACTIVE, UNPATCHED, run_child_json
+from _harness import ACTIVE, UNPATCHED, add_tree_option, run_child_json, tree_turns, trees_of
 
 # Both versions of the function live in one process: `plain` is compiled while the package is
 # uninstalled (no gate, upstream's wrapper), `gated` after install(). Batches alternate between them.
@@ -89,18 +88,14 @@ def main() -> None:
     ap.add_argument("--backend", default="aot_eager")
     ap.add_argument("--threads", type=int, default=8)
     ap.add_argument("--pairs", type=int, default=5, help="interpreter pairs for the smallest eager-backend function")
-    ap.add_argument("--tree", action="append", default=None, metavar="PATH",
-                    help="a checkout of the package to measure (repeatable; default: the installed package)")
+    add_tree_option(ap)
     a = ap.parse_args()
-    trees: list[str | None] = list(a.tree) if a.tree else [None]
-    for t in trees:
-        if t is not None and not os.path.isfile(os.path.join(t, "torch_threadsafe_compile", "__init__.py")):
-            ap.error(f"--tree {t}: no torch_threadsafe_compile package there")
+    trees = trees_of(ap, a)
     label = {t: ("installed" if t is None else t) for t in trees}
     pairs: dict[str | None, list[tuple[float, float]]] = {t: [] for t in trees}
     origin: dict[str | None, str] = {}
     for i in range(a.pairs):
-        for t in (trees if i % 2 == 0 else trees[::-1]):
+        for t in tree_turns(trees, i):
             order = (False, True) if i % 2 == 0 else (True, False)
             got = {disabled: run_child_json(SMALLEST, disabled, tree=t) for disabled in order}
             origin[t] = got[False][1]
@@ -114,7 +109,7 @@ def main() -> None:
               f"{statistics.median(ratios_small):.3f} (range {ratios_small[0]:.3f}..{ratios_small[-1]:.3f})")
     runs: dict[str | None, list[list[float]]] = {t: [] for t in trees}
     for i in range(a.rounds):
-        for t in (trees if i % 2 == 0 else trees[::-1]):
+        for t in tree_turns(trees, i):
             runs[t].append(run_child_json(WARM.format(backend=a.backend), False, tree=t))
     for t in trees:
         gated = statistics.median(r[0] for r in runs[t])
