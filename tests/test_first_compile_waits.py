@@ -44,21 +44,36 @@ def _both(name: str, **kwargs: object) -> tuple[dict, dict]:
 
 
 def test_h3_warm_calls_run_on_while_another_thread_recompiles() -> None:
-    """7 warm threads and one recompile (float64, 1.5 s compile): warm calls go on at >= 80 % of upstream's
-    rate during it and none waits for it (longest warm call within 2x upstream's, plus 20 ms of scheduling)."""
+    """7 warm threads and one recompile (float64, 1.5 s compile): during it the warm threads keep at least 80 %
+    of the share of their own warm rate that upstream keeps (calls/s during the recompile over calls/s before
+    it, in the same process), and none waits for it (longest warm call within 2x upstream's, plus 20 ms of
+    scheduling).
+
+    Each mode's rate is read against its own rate before the recompile: on 2 shared cores one interpreter runs
+    the same loop up to 1.5x faster than the next (4,170 vs 5,337 calls/s before the recompile in two runs of
+    the same mode), far more than what the recompile takes away, so comparing raw rates across processes
+    failed without any change in the package."""
+
+    def kept(r: dict) -> float:
+        return r["warm_per_s_during"] / max(r["warm_per_s_before"], 1e-9)
 
     def ok(off: dict, on: dict) -> bool:
-        return (on["warm_per_s_during"] >= 0.8 * off["warm_per_s_during"]
+        return (kept(on) >= 0.8 * kept(off)
                 and on["longest_warm_call_s"] <= 2 * off["longest_warm_call_s"] + 0.02)
 
+    def judged(off: dict, on: dict) -> str:
+        return (f"upstream {off} (kept {kept(off):.2f}) / active {on} (kept {kept(on):.2f})")
+
     off, on = _both("warm_beside_recompile")
-    if not ok(off, on):  # throughput on a shared machine: one more pair before judging, the better of each
+    first = judged(off, on)
+    if not ok(off, on):  # a shared machine: one more pair before judging, the better figure of each mode
         off2, on2 = _both("warm_beside_recompile")
-        off = {"warm_per_s_during": max(off["warm_per_s_during"], off2["warm_per_s_during"]),
-               "longest_warm_call_s": max(off["longest_warm_call_s"], off2["longest_warm_call_s"])}
-        on = {"warm_per_s_during": max(on["warm_per_s_during"], on2["warm_per_s_during"]),
-              "longest_warm_call_s": min(on["longest_warm_call_s"], on2["longest_warm_call_s"])}
-    assert ok(off, on), f"upstream {off} / active {on}"
+        first += f"; second pair: {judged(off2, on2)}"
+        off = max(off, off2, key=kept) | {"longest_warm_call_s": max(off["longest_warm_call_s"],
+                                                                         off2["longest_warm_call_s"])}
+        on = max(on, on2, key=kept) | {"longest_warm_call_s": min(on["longest_warm_call_s"],
+                                                                     on2["longest_warm_call_s"])}
+    assert ok(off, on), first
 
 
 def test_h3_a_rendezvous_inside_a_compiled_step_is_not_broken() -> None:
