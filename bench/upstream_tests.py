@@ -58,7 +58,12 @@ earlier plan, the judgement with ``TTC_DISABLE=1`` alone.
 A stall detector watches every child with ``--parallel-threads``: a child whose output has not grown for
 ``--stall-s`` seconds (default 120; pytest prints a line per test) is counted as a *hang*, not a timeout: its
 threads' native stacks are dumped first (``py-spy dump --native`` where py-spy is installed, else ``gdb``),
-then faulthandler's Python stacks (SIGABRT), into its log; then its process group is killed.
+then faulthandler's Python stacks (SIGABRT), into its log; then its process group is killed. Silence alone
+does not tell a deadlock from a slow test, so the detector also reads the CPU time of the child's process
+group (Linux ``/proc``): a child that used at least a quarter of a core over the last ``--stall-s`` seconds is
+*computing* and is left to run (a note in its log says so) until it has been silent for ``--busy-stall-s``
+seconds (default 600; then it is a *busy hang*: a livelock or a test too slow to judge); a child whose threads
+all wait (less CPU than that) is a *blocked hang* at once. Where ``/proc`` cannot be read, silence decides.
 
 Standard library only, so the script runs under any Python >= 3.9 (``--python`` picks the interpreter
 that runs the tests; it needs torch, pytest, pytest-timeout and expecttest).
@@ -154,6 +159,7 @@ class Run:
     wall_s: float
     timed_out: bool = False
     hung: bool = False  # the stall detector stopped it: no output for STALL_S seconds
+    hang_kind: str = ""  # with hung: "blocked" (its threads all waited) or "busy" (still computing at BUSY_STALL_S)
     crashed: str = ""  # why there are no per-test results (no XML, pytest usage/internal error, ...)
     signal: str = ""  # the signal that killed pytest (SIGSEGV, ...), empty when it exited
     frames: list[str] = field(default_factory=list)  # faulthandler: the crashing thread's first frames
@@ -260,17 +266,83 @@ def _limit_memory() -> None:  # runs in the child, between fork and exec
 
 # With --parallel-threads: seconds without any new output after which a child counts as hung (0: off).
 STALL_S = 0.0
+# ... unless it is computing: then it counts as hung (busy) only after this many silent seconds.
+BUSY_STALL_S = 600.0
+# The CPU share (of one core, over the last STALL_S seconds) above which a silent child is computing.
+BUSY_SHARE = 0.25
 _POLL_S = 2.0
 # With --jobs: set when the main thread is interrupted (Ctrl-C, SIGTERM), so that every worker kills the
 # child it is running and starts no other.
 _STOP = threading.Event()
 
 
+def _group_cpu_s(pgid: int) -> float | None:
+    """CPU seconds (user + system) used so far by the live processes of process group ``pgid`` (the child
+    and, say, inductor's compile workers), from Linux ``/proc``; None where that cannot be read."""
+    try:
+        tick = os.sysconf("SC_CLK_TCK")
+        names = os.listdir("/proc")
+    except (AttributeError, ValueError, OSError):
+        return None
+    total = 0
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as fh:
+                stat = fh.read()
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+        fields = stat[stat.rindex(b")") + 2:].split()  # after "pid (comm) ": state is field 3 of stat(5)
+        if int(fields[2]) == pgid:  # pgrp
+            total += int(fields[11]) + int(fields[12])  # utime, stime (all its threads)
+    return total / tick
+
+
+class _Stall:
+    """Decides, from output growth and CPU time, whether a silent child is hung (see the module docstring)."""
+
+    def __init__(self, pgid: int, stall_s: float, busy_stall_s: float, share: float = BUSY_SHARE) -> None:
+        self.pgid, self.stall_s, self.busy_stall_s, self.share = pgid, stall_s, max(busy_stall_s, stall_s), share
+        self.size, self.changed = -1, time.monotonic()
+        self.samples: list[tuple[float, float]] = []  # (time, group CPU seconds), the last stall_s seconds
+        self.noted = 0.0  # when the log last said "computing"
+
+    def check(self, size: int, now: float) -> tuple[str, str]:
+        """("", "") while the child may go on; ("blocked" | "busy", why) when it is hung; ("", note) to log."""
+        if size != self.size:
+            self.size, self.changed = size, now
+        cpu = _group_cpu_s(self.pgid)
+        if cpu is not None:
+            self.samples.append((now, cpu))
+            while len(self.samples) > 1 and self.samples[1][0] <= now - self.stall_s:
+                self.samples.pop(0)
+        silent = now - self.changed
+        if silent <= self.stall_s:
+            return "", ""
+        if cpu is None or not self.samples or self.samples[0][0] > now - self.stall_s + _POLL_S:
+            return "blocked", f"no output for {silent:.0f} s (CPU time unknown)"
+        t0, cpu0 = self.samples[0]
+        used = cpu - cpu0
+        if used < self.share * (now - t0):
+            return "blocked", f"no output for {silent:.0f} s and {used:.1f} s of CPU in the last {now - t0:.0f} s: " \
+                              "its threads all wait"
+        if silent > self.busy_stall_s:
+            return "busy", f"no output for {silent:.0f} s, still computing ({used:.1f} s of CPU in the last " \
+                           f"{now - t0:.0f} s): a livelock or a test too slow to judge"
+        if now - self.noted >= self.stall_s:
+            self.noted = now
+            return "", f"no output for {silent:.0f} s but {used:.1f} s of CPU in the last {now - t0:.0f} s: " \
+                       f"computing, not blocked; waiting up to {self.busy_stall_s:.0f} s of silence"
+        return "", ""
+
+
 def _run(cmd: list[str], cwd: Path, env: dict[str, str], timeout: float,
-         stall_s: float = 0.0) -> tuple[int | None, str, float, bool, bool]:
+         stall_s: float = 0.0, busy_stall_s: float | None = None) -> tuple[int | None, str, float, bool, str]:
     """Run ``cmd`` in its own process group; on timeout kill the whole group (inductor's compile workers
     included) so nothing of a hung file outlives it. With ``stall_s``, a child whose output has not grown
-    for that long is dumped (:func:`_dump_stacks`) and killed. Returns (rc, output, wall, timed out, hung)."""
+    for that long while it does not compute (:class:`_Stall`) is dumped (:func:`_dump_stacks`) and killed.
+    Returns (rc, output, wall, timed out, hang kind: "" when not hung, else "blocked" or "busy")."""
     t0 = time.monotonic()
     if _STOP.is_set():
         raise KeyboardInterrupt
@@ -278,9 +350,10 @@ def _run(cmd: list[str], cwd: Path, env: dict[str, str], timeout: float,
         proc = subprocess.Popen(cmd, cwd=str(cwd), env=env, stdout=out, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True,
                                 preexec_fn=_limit_memory if MEMORY_LIMIT else None)
-        timed_out = hung = False
+        timed_out = False
+        hung = ""
         rc: int | None = None
-        size, changed = -1, t0
+        stall = _Stall(proc.pid, stall_s, BUSY_STALL_S if busy_stall_s is None else busy_stall_s) if stall_s else None
         try:
             while rc is None:
                 try:
@@ -289,15 +362,17 @@ def _run(cmd: list[str], cwd: Path, env: dict[str, str], timeout: float,
                     if _STOP.is_set():
                         raise KeyboardInterrupt from None
                     now = time.monotonic()
-                    grown = os.fstat(out.fileno()).st_size
-                    if grown != size:
-                        size, changed = grown, now
                     if now - t0 > timeout:
                         timed_out = True
-                    elif stall_s and now - changed > stall_s:
-                        hung = True
-                        _append(out, f"\n=== stall detector: no output for {now - changed:.0f} s; stacks follow ===\n")
-                        _dump_stacks(proc.pid, out)
+                    elif stall is not None:
+                        kind, why = stall.check(os.fstat(out.fileno()).st_size, now)
+                        if kind:
+                            hung = kind
+                            _append(out, f"\n=== stall detector: {kind} hang: {why}; stacks follow ===\n")
+                            _dump_stacks(proc.pid, out)
+                        elif why:
+                            _append(out, f"\n=== stall detector: {why} ===\n")
+                            stall.size = os.fstat(out.fileno()).st_size  # our note is not the child's output
                     if timed_out or hung:
                         kill_group(proc)
                         rc = proc.wait()
@@ -519,12 +594,13 @@ def run_file(python: str, f: TestFile, mode: str, tmp: Path, file_timeout: float
     xml = tmp / f"{f.key.replace('/', '_').replace(':', '_')}.{mode}.{time.monotonic_ns()}.xml"
     cmd = pytest_cmd(python, targets or [f.rel], xml, test_timeout)
     env = child_env(mode) if plan is None else plan_env(child_env(mode), plan, "read")
-    rc, text, wall, timed_out, hung = _run(cmd, f.root, env, file_timeout, STALL_S if PARALLEL_THREADS > 1 else 0.0)
+    rc, text, wall, timed_out, hang = _run(cmd, f.root, env, file_timeout, STALL_S if PARALLEL_THREADS > 1 else 0.0)
+    hung = bool(hang)
     if log_dir is not None:
         log_dir.mkdir(parents=True, exist_ok=True)
         suffix = ("." + re.sub(r"[^\w.-]+", "_", targets[0].split("::", 1)[-1])[:80]) if targets else ""
         (log_dir / f"{f.key.replace('/', '_').replace(':', '_')}.{mode}{suffix}.log").write_text(text, encoding="utf-8")
-    run = Run(mode=mode, rc=rc, wall_s=wall, timed_out=timed_out, hung=hung)
+    run = Run(mode=mode, rc=rc, wall_s=wall, timed_out=timed_out, hung=hung, hang_kind=hang)
     if rc is not None and rc < 0 and not hung:
         try:
             run.signal = signal.Signals(-rc).name
@@ -532,7 +608,8 @@ def run_file(python: str, f: TestFile, mode: str, tmp: Path, file_timeout: float
             run.signal = f"signal {-rc}"
         run.frames = crash_frames(text)
     if hung:
-        run.crashed = f"hung: no output for {STALL_S:.0f} s (native and Python stacks in its log)"
+        run.crashed = (f"hung ({hang}): no output for {STALL_S if hang == 'blocked' else BUSY_STALL_S:.0f} s"
+                       " or more (native and Python stacks in its log)")
     elif timed_out:
         run.crashed = f"timed out after {file_timeout:.0f} s"
     elif run.signal:
@@ -792,7 +869,7 @@ def render_md(results: list[FileResult], probes: dict[str, dict]) -> str:
 
 def _crash_cell(run: Run) -> str:
     if run.hung:
-        return "hang"
+        return "hang" if run.hang_kind != "busy" else "hang (busy)"
     if run.signal:
         return run.signal
     if run.timed_out:
@@ -867,7 +944,7 @@ def _on_sigterm(signum: int, frame: object) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    global PYCACHE_PREFIX, PARALLEL_THREADS, MEMORY_LIMIT, THREAD_PLAN, STALL_S
+    global PYCACHE_PREFIX, PARALLEL_THREADS, MEMORY_LIMIT, THREAD_PLAN, STALL_S, BUSY_STALL_S
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tests-dir", action="append", type=Path, default=None,
@@ -906,10 +983,14 @@ def main(argv: list[str] | None = None) -> int:
                          "verdicts only: the wall times in the table are then measured under each other's load")
     ap.add_argument("--stall-s", type=float, default=120.0,
                     help="with --parallel-threads: a child with no new output for this long is dumped and killed, "
-                         "counted as a hang (default 120; 0: off)")
+                         "counted as a hang, unless it is computing (default 120; 0: off)")
+    ap.add_argument("--busy-stall-s", type=float, default=600.0,
+                    help="with --stall-s: a child that is still computing (a quarter of a core or more over the "
+                         "last --stall-s seconds) counts as hung (busy) after this long without output (default 600)")
     args = ap.parse_args(argv)
     THREAD_PLAN = args.thread_plan
     STALL_S = max(0.0, args.stall_s)
+    BUSY_STALL_S = max(STALL_S, args.busy_stall_s)
     PARALLEL_THREADS = max(1, args.parallel_threads)
     if PARALLEL_THREADS > 1 and args.memory_limit_gb > 0:
         MEMORY_LIMIT = int(args.memory_limit_gb * 2**30)

@@ -11,6 +11,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import sys
+import time
+import types
 from pathlib import Path
 
 import pytest
@@ -74,8 +78,6 @@ def test_thread_plan_sees_listed_classes_imported_by_name() -> None:
     global name, classes included (pytest-run-parallel 0.10 resolves bare names of functions only: a test's
     ``with profile(...)`` ran in 4 threads and died in the profiler), and is not fooled by an attribute of
     the same name (``config.patch`` is not ``unittest.mock.patch``)."""
-    import sys
-    import types
     import unittest.mock
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench" / "pytest_plugins"))
@@ -108,3 +110,43 @@ def test_thread_plan_sees_listed_classes_imported_by_name() -> None:
         assert plan._listed_object_used(glb["attribute_only"], listed) is None
     finally:
         del sys.modules["listed_for_test"]
+
+
+def _bench_module(name: str) -> types.ModuleType:
+    bench = Path(__file__).resolve().parents[1] / "bench"
+    sys.path.insert(0, str(bench))
+    try:
+        spec = importlib.util.spec_from_file_location(f"_ttc_bench_{name}", bench / f"{name}.py")
+        assert spec is not None and spec.loader is not None
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = mod  # dataclasses look their module up there
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.pop(0)
+    return mod
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").is_file(), reason="the CPU reading needs Linux /proc")
+def test_stall_detector_tells_a_computing_child_from_a_blocked_one(tmp_path: Path) -> None:
+    """A silent child that computes is left to run until --busy-stall-s; one whose threads all wait is a hang
+    at --stall-s (test_aot_autograd's 4 serial compiles in one test ran 3 minutes without output and were
+    counted as a hang before)."""
+    ub = _bench_module("upstream_tests")
+    ub._POLL_S = 0.5
+    say = "import sys, time, threading; print('started', flush=True); "
+    spin = "t = time.monotonic()\nwhile time.monotonic() - t < {s}: pass\nprint('done', flush=True)"
+
+    rc, text, _, timed_out, hang = ub._run([sys.executable, "-c", say + "\n" + spin.format(s=9)], tmp_path,
+                                           dict(os.environ), timeout=120, stall_s=3, busy_stall_s=60)
+    assert (rc, timed_out, hang) == (0, False, ""), text
+    assert "done" in text and "computing, not blocked" in text, text
+
+    t0 = time.monotonic()
+    rc, text, _, timed_out, hang = ub._run([sys.executable, "-c", say + "threading.Event().wait(120)"],
+                                           tmp_path, dict(os.environ), timeout=120, stall_s=3, busy_stall_s=60)
+    assert hang == "blocked" and not timed_out, text
+    assert "its threads all wait" in text and time.monotonic() - t0 < 100, text
+
+    rc, text, _, timed_out, hang = ub._run([sys.executable, "-c", say + "\n" + spin.format(s=120)], tmp_path,
+                                           dict(os.environ), timeout=120, stall_s=3, busy_stall_s=8)
+    assert hang == "busy" and not timed_out and "still computing" in text, text
