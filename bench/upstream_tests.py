@@ -138,6 +138,12 @@ THREAD_UNSAFE: tuple[tuple[str, str], ...] = (
     ("unittest.mock.patch.object", "replaces an object's attribute for every thread while the test runs"),
     ("unittest.mock.patch.dict", "changes a process-global dict (os.environ, a registry) for every thread"),
     ("torch.profiler.profile", "one profiler per process: a second one in another thread fails to start"),
+    ("torch.set_default_dtype", "sets the process-global default dtype for every thread"),
+    ("torch.testing._internal.common_utils.set_default_dtype",
+     "sets the process-global default dtype and restores the one it saw: in N threads at once the last to "
+     "restore can put back another thread's dtype, and the file's next tests run with it "
+     "(ttc_testing.crash_scenarios default_dtype_restore_race)"),
+    ("torch.use_deterministic_algorithms", "switches a process-global mode for every thread"),
 )
 
 

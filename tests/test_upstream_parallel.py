@@ -150,3 +150,28 @@ def test_stall_detector_tells_a_computing_child_from_a_blocked_one(tmp_path: Pat
     rc, text, _, timed_out, hang = ub._run([sys.executable, "-c", say + "\n" + spin.format(s=120)], tmp_path,
                                            dict(os.environ), timeout=120, stall_s=3, busy_stall_s=8)
     assert hang == "busy" and not timed_out and "still computing" in text, text
+
+
+def test_a_test_that_sets_the_default_dtype_runs_in_one_thread() -> None:
+    """torch's default dtype is process-global: a test that sets and restores it in N threads at once can
+    leave float64 set for the next test (torch 2.15's ``test_skip_size_stride_guards_on_static_tensors``
+    failed so, in one mode or the other at random). The race is the test's own, shown here with
+    ``TTC_DISABLE=1`` (no package); the bench's thread plan runs such a test in one thread in both modes."""
+    from ttc_testing import crash_scenarios
+
+    off = crash_scenarios.run("default_dtype_restore_race", env={**os.environ, "TTC_DISABLE": "1"}, rounds=200)
+    assert off.get("leaked", 0) > 0 and off["victim_float64"] == off["leaked"], off
+
+    import torch
+    import torch.testing._internal.common_utils as cu
+
+    ub = _bench_module("upstream_tests")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench" / "pytest_plugins"))
+    try:
+        import ttc_parallel_plan as plan
+    finally:
+        sys.path.pop(0)
+    listed = frozenset(tuple(name.rsplit(".", 1)) for name, _ in ub.THREAD_UNSAFE)
+    glb = {"set_default_dtype": cu.set_default_dtype, "torch": torch}
+    exec(compile("def body():\n    with set_default_dtype(torch.double):\n        pass\n", "<test>", "exec"), glb)
+    assert plan._listed_object_used(glb["body"], listed) == "torch.testing._internal.common_utils.set_default_dtype"

@@ -1,5 +1,7 @@
 """Crash scenarios found by running PyTorch's own tests with pytest-run-parallel (H8, H9, H11), each small enough
-to run in a few seconds without pytest, in its own interpreter, reporting one JSON line (or dying).
+to run in a few seconds without pytest, in its own interpreter, reporting one JSON line (or dying); beside them
+the causes found not to be the package's (a deadlock in torch, a test that races with itself), reproduced the
+same way so that both modes can be measured.
 
     python -m ttc_testing.crash_scenarios NAME [key=value ...]
 
@@ -302,6 +304,58 @@ def captured_traceback_free_deadlock(threads: int = 4, seconds: float = 5.0) -> 
     for t in ts:
         t.join()
     return dict(counts)
+
+
+@scenario
+def default_dtype_restore_race(threads: int = 4, rounds: int = 300) -> dict[str, Any]:
+    """Not a package hazard: a test that races with itself, and the next test pays (torch 2.15's
+    ``dynamo/test_guard_manager.py::test_skip_size_stride_guards_on_static_tensors`` failed at 4 threads in
+    one active run of three, ``True is not false``, while its victim check passed alone). The test before it,
+    ``test_global_state_guard``, runs ``with set_default_dtype(torch.double)`` (torch.testing's helper: save
+    the default dtype, set it, restore the saved one) in every thread at once; the default dtype is
+    process-global, so a thread that enters after another has set double saves double and restores it last:
+    the process keeps float64, and the next test's ``torch.randn(4, 4)`` is float64 -- so its guard, built
+    from that tensor, accepts the float64 input the test expects it to reject. Each round here: ``threads``
+    threads (a barrier, then the helper around a GLOBAL_STATE guard check, as in the test); after the round,
+    is the default dtype still float32? Reports how many rounds leaked (then reset, for the next round)."""
+    import torch
+    from torch.testing._internal.common_utils import set_default_dtype
+
+    guard: Any = None
+    try:  # the test's body; the guard's constructor is internal, so without it the helper alone
+        from torch._C._dynamo import guards
+
+        guard = guards.GLOBAL_STATE(guards.RootGuardManager(), ["global_state_check"], None)
+    except Exception:  # noqa: BLE001 - an internal constructor that changes between releases
+        guard = None
+    torch.set_default_dtype(torch.float32)
+    leaked = victim_float64 = 0
+    errors = _Errors()
+
+    def body(bar: threading.Barrier) -> None:
+        try:
+            bar.wait(timeout=30)
+            with set_default_dtype(torch.double):
+                if guard is not None:
+                    guard(None)
+                    str(guard.check_verbose(None))
+                torch.ones(2).sum()
+        except Exception as e:  # counted, not raised  # noqa: BLE001
+            errors.add(e)
+
+    for _ in range(rounds):
+        bar = threading.Barrier(threads)
+        ts = [threading.Thread(target=body, args=(bar,)) for _ in range(threads)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        if torch.get_default_dtype() != torch.float32:
+            leaked += 1
+            victim_float64 += torch.randn(4, 4).dtype == torch.float64
+            torch.set_default_dtype(torch.float32)
+    return {"rounds": rounds, "leaked": leaked, "victim_float64": victim_float64, "guard_body": guard is not None,
+            "errors": errors.total(), "error_kinds": errors.kinds()}
 
 
 def run(name: str, env: dict[str, str] | None = None, timeout: float = 120, **kwargs: Any) -> dict[str, Any]:
