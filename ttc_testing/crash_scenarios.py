@@ -49,6 +49,28 @@ class _Errors:
         return list(self.by_kind)[:3]
 
 
+def _barrier_rounds(threads: int, rounds: int, body: Any, errors: _Errors, after: Any = None) -> None:
+    """``rounds`` rounds of ``threads`` threads that start ``body`` together (a barrier), as pytest-run-parallel
+    runs a test body; exceptions are counted in ``errors``; ``after()`` runs between rounds."""
+
+    def worker(barrier: threading.Barrier) -> None:
+        try:
+            barrier.wait(timeout=60)
+            body()
+        except Exception as e:  # counted: the question is whether the process survives
+            errors.add(e)
+
+    for _ in range(rounds):
+        barrier = threading.Barrier(threads)
+        ts = [threading.Thread(target=worker, args=(barrier,)) for _ in range(threads)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        if after is not None:
+            after()
+
+
 def _make_instance(k: float) -> Any:
     """An instance of a class made at run time: dynamo guards its type by identity (``TYPE_MATCH`` keeps a
     ``weakref.finalize`` on the class), and the class dies only when the garbage collector finds its cycle —
@@ -238,21 +260,7 @@ def precompile_entries_shared_code(threads: int = 4, rounds: int = 20) -> dict[s
         finally:
             _reset_precompile_entries(fn.__code__)
 
-    def worker(barrier: threading.Barrier) -> None:
-        barrier.wait()
-        try:
-            body()
-        except Exception as e:  # counted: the question is whether the process survives
-            errors.add(e)
-
-    for _ in range(rounds):
-        barrier = threading.Barrier(threads)
-        ts = [threading.Thread(target=worker, args=(barrier,)) for _ in range(threads)]
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join()
-        gc.collect()
+    _barrier_rounds(threads, rounds, body, errors, after=gc.collect)
     return {"rounds": rounds, "errors": errors.total(), "kinds": errors.kinds()}
 
 
@@ -326,34 +334,27 @@ def default_dtype_restore_race(threads: int = 4, rounds: int = 300) -> dict[str,
         from torch._C._dynamo import guards
 
         guard = guards.GLOBAL_STATE(guards.RootGuardManager(), ["global_state_check"], None)
-    except Exception:  # noqa: BLE001 - an internal constructor that changes between releases
+    except Exception:  # an internal constructor that changes between releases
         guard = None
     torch.set_default_dtype(torch.float32)
     leaked = victim_float64 = 0
     errors = _Errors()
 
-    def body(bar: threading.Barrier) -> None:
-        try:
-            bar.wait(timeout=30)
-            with set_default_dtype(torch.double):
-                if guard is not None:
-                    guard(None)
-                    str(guard.check_verbose(None))
-                torch.ones(2).sum()
-        except Exception as e:  # counted, not raised  # noqa: BLE001
-            errors.add(e)
+    def body() -> None:
+        with set_default_dtype(torch.double):
+            if guard is not None:
+                guard(None)
+                str(guard.check_verbose(None))
+            torch.ones(2).sum()
 
-    for _ in range(rounds):
-        bar = threading.Barrier(threads)
-        ts = [threading.Thread(target=body, args=(bar,)) for _ in range(threads)]
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join()
+    def after_round() -> None:
+        nonlocal leaked, victim_float64
         if torch.get_default_dtype() != torch.float32:
             leaked += 1
             victim_float64 += torch.randn(4, 4).dtype == torch.float64
             torch.set_default_dtype(torch.float32)
+
+    _barrier_rounds(threads, rounds, body, errors, after=after_round)
     return {"rounds": rounds, "leaked": leaked, "victim_float64": victim_float64, "guard_body": guard is not None,
             "errors": errors.total(), "error_kinds": errors.kinds()}
 
