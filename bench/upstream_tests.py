@@ -308,8 +308,9 @@ def _group_cpu_s(pgid: int) -> float | None:
 class _Stall:
     """Decides, from output growth and CPU time, whether a silent child is hung (see the module docstring)."""
 
-    def __init__(self, pgid: int, stall_s: float, busy_stall_s: float, share: float = BUSY_SHARE) -> None:
-        self.pgid, self.stall_s, self.busy_stall_s, self.share = pgid, stall_s, max(busy_stall_s, stall_s), share
+    def __init__(self, pgid: int, stall_s: float, busy_stall_s: float, share: float | None = None) -> None:
+        self.pgid, self.stall_s, self.busy_stall_s = pgid, stall_s, max(busy_stall_s, stall_s)
+        self.share = BUSY_SHARE if share is None else share
         self.size, self.changed = -1, time.monotonic()
         self.samples: list[tuple[float, float]] = []  # (time, group CPU seconds), the last stall_s seconds
         self.noted = 0.0  # when the log last said "computing"
