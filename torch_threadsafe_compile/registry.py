@@ -233,7 +233,11 @@ SPECS: dict[str, PatchSpec] = {
                      "threads run compiled code"),
             upstream=("pytorch/pytorch#118260 (reproducer segfaults on CUDA builds without a GPU); "
                       "FakeTensorMode.__enter__ calls _ensureCUDADeviceGuardSet"),
-            torch_versions=">=2.10",
+            # 2.10 and 2.11 crash in nearly every unpatched run of its scenario; 2.12.1, 2.14.1 and 2.15.0
+            # (CUDA builds, no GPU) in none (docs/hazards.md, H3): the call still happens there, but no longer
+            # crashes, so the patch stays out of those releases.
+            torch_versions=">=2.10,<2.12",
+            fixed_in="2.12",
             modules=("torch._subclasses.fake_tensor",),
             test="tests/test_stress.py::test_h3_cuda_build_without_gpu_does_not_crash",
         ),
