@@ -65,15 +65,15 @@ def test_h3_warm_calls_run_on_while_another_thread_recompiles() -> None:
         return (f"upstream {off} (kept {kept(off):.2f}) / active {on} (kept {kept(on):.2f})")
 
     off, on = _both("warm_beside_recompile")
-    first = judged(off, on)
+    message = judged(off, on)
     if not ok(off, on):  # a shared machine: one more pair before judging, the better figure of each mode
         off2, on2 = _both("warm_beside_recompile")
-        first += f"; second pair: {judged(off2, on2)}"
+        message += f"; second pair: {judged(off2, on2)}"
         off = max(off, off2, key=kept) | {"longest_warm_call_s": max(off["longest_warm_call_s"],
                                                                          off2["longest_warm_call_s"])}
         on = max(on, on2, key=kept) | {"longest_warm_call_s": min(on["longest_warm_call_s"],
                                                                      on2["longest_warm_call_s"])}
-    assert ok(off, on), first
+    assert ok(off, on), message
 
 
 def test_h3_a_rendezvous_inside_a_compiled_step_is_not_broken() -> None:

@@ -80,11 +80,7 @@ def test_thread_plan_sees_listed_classes_imported_by_name() -> None:
     the same name (``config.patch`` is not ``unittest.mock.patch``)."""
     import unittest.mock
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench" / "pytest_plugins"))
-    try:
-        import ttc_parallel_plan as plan
-    finally:
-        sys.path.pop(0)
+    plan = _bench_module("pytest_plugins", "ttc_parallel_plan")
 
     class Profile:  # stands in for torch.profiler.profile (a class)
         def __enter__(self) -> "Profile":
@@ -112,30 +108,28 @@ def test_thread_plan_sees_listed_classes_imported_by_name() -> None:
         del sys.modules["listed_for_test"]
 
 
-def _bench_module(name: str) -> types.ModuleType:
-    bench = Path(__file__).resolve().parents[1] / "bench"
-    sys.path.insert(0, str(bench))
+def _bench_module(folder: str, name: str) -> types.ModuleType:
+    """A module of bench/ (``folder`` "." for the scripts, "pytest_plugins" for the plugins), imported by its
+    own name with its folder on sys.path, as the bench runs it (the scripts import ``_harness`` so)."""
+    path = str(Path(__file__).resolve().parents[1] / "bench" / folder)
+    sys.path.insert(0, path)
     try:
-        spec = importlib.util.spec_from_file_location(f"_ttc_bench_{name}", bench / f"{name}.py")
-        assert spec is not None and spec.loader is not None
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = mod  # dataclasses look their module up there
-        spec.loader.exec_module(mod)
+        return importlib.import_module(name)
     finally:
-        sys.path.pop(0)
-    return mod
+        sys.path.remove(path)
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").is_file(), reason="the CPU reading needs Linux /proc")
-def test_stall_detector_tells_a_computing_child_from_a_blocked_one(tmp_path: Path) -> None:
+def test_stall_detector_tells_a_computing_child_from_a_blocked_one(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """A silent child that computes is left to run until --busy-stall-s; one whose threads all wait is a hang
     at --stall-s (test_aot_autograd's 4 serial compiles in one test ran 3 minutes without output and were
     counted as a hang before)."""
-    ub = _bench_module("upstream_tests")
-    ub._POLL_S = 0.5
+    ub = _bench_module(".", "upstream_tests")
+    monkeypatch.setattr(ub, "_POLL_S", 0.5)
     # A waiting child uses no CPU at all; a spinning one gets far more than 5 % of a core even when the tests
     # beside this one keep both cores busy (the bench's own 25 % assumes a machine running only the bench).
-    ub.BUSY_SHARE = 0.05
+    monkeypatch.setattr(ub, "BUSY_SHARE", 0.05)
     say = "import sys, time, threading; print('started', flush=True); "
     spin = "t = time.monotonic()\nwhile time.monotonic() - t < {s}: pass\nprint('done', flush=True)"
 
@@ -168,12 +162,8 @@ def test_a_test_that_sets_the_default_dtype_runs_in_one_thread() -> None:
     import torch
     import torch.testing._internal.common_utils as cu
 
-    ub = _bench_module("upstream_tests")
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench" / "pytest_plugins"))
-    try:
-        import ttc_parallel_plan as plan
-    finally:
-        sys.path.pop(0)
+    ub = _bench_module(".", "upstream_tests")
+    plan = _bench_module("pytest_plugins", "ttc_parallel_plan")
     listed = frozenset(tuple(name.rsplit(".", 1)) for name, _ in ub.THREAD_UNSAFE)
     glb = {"set_default_dtype": cu.set_default_dtype, "torch": torch}
     exec(compile("def body():\n    with set_default_dtype(torch.double):\n        pass\n", "<test>", "exec"), glb)
