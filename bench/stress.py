@@ -42,6 +42,10 @@ class Check:
     max_unpatched_runs: int  # the unpatched side runs until the hazard shows, at most this often
     failed: Callable[[dict[str, Any]], bool]  # an active run that failed (a crash or hang always fails)
     shown: Callable[[dict[str, Any]], bool]  # an unpatched run in which the hazard showed
+    # torch releases (a specifier) where the hazard is real but this scenario shows it in few unpatched runs,
+    # and the measurement that says so: there a check that saw no hazard in its bounded runs cannot prove
+    # the patch, and says so instead of failing (tests/test_stress.py).
+    rare: tuple[str, str] | None = None
 
 
 CHECKS: dict[str, Check] = {
@@ -49,7 +53,11 @@ CHECKS: dict[str, Check] = {
     for c in (
         Check("first_import", "H7", "first_import", {"threads": 16}, 240, 8,
               failed=lambda r: _died(r) or r.get("errors", 1) > 0,
-              shown=lambda r: _died(r) or r.get("import_errors", 0) > 0),
+              shown=lambda r: _died(r) or r.get("import_errors", 0) > 0,
+              # torch 2.15 imports dynamo from torch.export._trace and aot_compile_types from the inductor
+              # package torch.compile imports first: the cycle is still there, its window narrow.
+              rare=(">=2.15", "the import cycle showed in 8 of 92 unpatched runs on torch 2.15.0 (2 cores); "
+                    "the other runs fail only on the concurrent exports' own collisions (export_serial)")),
         Check("reset_under_load", "H3", "reset_under_load", {"seconds": 8.0}, 240, 5,
               failed=lambda r: _died(r) or r.get("errors", 1) > 0 or r.get("wrong", 1) > 0 or r.get("resets", 0) == 0,
               shown=lambda r: _died(r) or r.get("errors", 0) > 0 or r.get("wrong", 0) > 0),

@@ -18,17 +18,33 @@ import pytest
 from conftest import cuda_build_without_gpu, torch_version
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from stress import CHECKS, run_check  # noqa: E402
+from stress import CHECKS, Check, run_check  # noqa: E402
 
 RUNS = int(os.environ.get("TTC_STRESS_RUNS", "5"))
+
+
+def _rare_here(check: Check) -> str | None:
+    """The check's note where this torch is one of the releases on which its hazard rarely shows."""
+    if check.rare is None:
+        return None
+    from packaging.specifiers import SpecifierSet
+
+    spec, why = check.rare
+    return why if torch_version() in SpecifierSet(spec) else None
 
 
 def _stress(name: str) -> None:
     check = CHECKS[name]
     off = run_check(check, disable=True, runs=check.max_unpatched_runs, stop_when_shown=True)
-    assert off.shown, f"{name}: the hazard did not show in {off.runs} unpatched runs: {off.summary()}"
+    rare = _rare_here(check)
+    if rare is None:
+        assert off.shown, f"{name}: the hazard did not show in {off.runs} unpatched runs: {off.summary()}"
     on = run_check(check, disable=False, runs=RUNS)
     assert on.failures == 0, f"{name} active: {on.summary()}"
+    if not off.shown:
+        # The active runs passed, but without the hazard in the unpatched ones they prove nothing about it.
+        pytest.skip(f"{name}: the hazard did not show in {off.runs} unpatched runs on torch {torch_version()} "
+                    f"({rare}); active: {on.summary()}")
 
 
 def test_h7_first_calls_from_many_threads_import_dynamo_safely() -> None:
