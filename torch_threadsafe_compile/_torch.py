@@ -8,6 +8,7 @@ from __future__ import annotations
 import sys
 import threading
 import types
+import weakref
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, Callable, ContextManager
 
@@ -154,7 +155,40 @@ HELPER_THREAD_MODULES = ("torch.", "tqdm.", "execnet.", "xdist.")
 def _helper_thread(t: threading.Thread) -> bool:
     target = getattr(t, "_target", None)
     module = getattr(target, "__module__", None) or type(t).__module__ or ""
-    return module.startswith(HELPER_THREAD_MODULES)
+    return module.startswith(HELPER_THREAD_MODULES) or (module == "concurrent.futures.thread" and _compile_pool_worker(t))
+
+
+# inductor's compile pool (``AsyncCompile.pool()``: a ``ThreadPoolExecutor`` of ``compile_threads`` workers,
+# 2 or more on any machine of 2 cores or more), once seen; weak, so a pool torch drops is not kept alive.
+_compile_pool: list[weakref.ref[Any]] = []
+
+
+def _compile_pool_worker(t: threading.Thread) -> bool:
+    """A worker of inductor's compile pool. Its workers live on, idle, after the first inductor compile that
+    used the pool, and run torch's compile jobs only; counted as the program's own, they made every
+    single-threaded inductor program "threaded" (measured: PyTorch's test_cudagraph_trees.py on an H100,
+    4 tests failed only with the package where earlier tests of the same process had compiled with inductor).
+    A ``ThreadPoolExecutor`` of the program's own still counts."""
+    args = getattr(t, "_args", None)  # concurrent.futures.thread._worker(executor_reference, ...)
+    ref = args[0] if args else None
+    executor = ref() if isinstance(ref, weakref.ref) else None
+    if executor is None:
+        return False
+    known = _compile_pool[0]() if _compile_pool else None
+    if known is None:
+        known = _made_compile_pool()
+        _compile_pool[:] = [weakref.ref(known)] if known is not None else []
+    return executor is known
+
+
+def _made_compile_pool() -> Any:
+    """``AsyncCompile.pool()`` if inductor has made it, else None: never makes it (its cache says whether)."""
+    ac = getattr(sys.modules.get("torch._inductor.async_compile"), "AsyncCompile", None)
+    pool = getattr(ac, "pool", None)
+    info = getattr(pool, "cache_info", None)
+    if not callable(info) or getattr(info(), "currsize", 0) == 0:
+        return None
+    return pool()  # type: ignore[misc]
 
 
 def program_threads_started() -> bool:
