@@ -23,14 +23,19 @@ from stress import CHECKS, Check, run_check  # noqa: E402
 RUNS = int(os.environ.get("TTC_STRESS_RUNS", "5"))
 
 
+def _torch_in(spec: str) -> bool:
+    """Whether the installed torch is one of the releases ``spec`` (a version specifier) names."""
+    from packaging.specifiers import SpecifierSet
+
+    return torch_version() in SpecifierSet(spec)
+
+
 def _rare_here(check: Check) -> str | None:
     """The check's note where this torch is one of the releases on which its hazard rarely shows."""
     if check.rare is None:
         return None
-    from packaging.specifiers import SpecifierSet
-
     spec, why = check.rare
-    return why if torch_version() in SpecifierSet(spec) else None
+    return why if _torch_in(spec) else None
 
 
 def _stress(name: str) -> None:
@@ -64,12 +69,10 @@ def _cuda_guard_skip() -> str | None:
     release inside the patch's range (the row's ``torch_versions``: the crash is gone upstream after it)."""
     if not cuda_build_without_gpu():
         return "the crash needs a CUDA build of torch on a machine without a GPU"
-    from packaging.specifiers import SpecifierSet
-
     from torch_threadsafe_compile.registry import SPECS
 
     spec = SPECS["cuda_device_guard"]
-    if torch_version() not in SpecifierSet(spec.torch_versions):
+    if not _torch_in(spec.torch_versions):
         fixed = f": fixed upstream in torch {spec.fixed_in}" if spec.fixed_in else ""
         return f"torch {torch_version()} is outside the patch's range {spec.torch_versions}{fixed}"
     return None

@@ -159,7 +159,8 @@ def _helper_thread(t: threading.Thread) -> bool:
 
 
 # inductor's compile pool (``AsyncCompile.pool()``: a ``ThreadPoolExecutor`` of ``compile_threads`` workers,
-# 2 or more on any machine of 2 cores or more), once seen; weak, so a pool torch drops is not kept alive.
+# 2 or more on any machine of 2 cores or more), once seen: remembered so that its cached getter is called
+# once, not on every check; weak, so a pool torch drops is not kept alive.
 _compile_pool: list[weakref.ref[Any]] = []
 
 
