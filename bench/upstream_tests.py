@@ -144,6 +144,22 @@ THREAD_UNSAFE: tuple[tuple[str, str], ...] = (
      "restore can put back another thread's dtype, and the file's next tests run with it "
      "(ttc_testing.crash_scenarios default_dtype_restore_race)"),
     ("torch.use_deterministic_algorithms", "switches a process-global mode for every thread"),
+    ("torch.set_default_device",
+     "its context is per thread, but the device dynamo's DEFAULT_DEVICE guard reads "
+     "(torch.utils._device.CURRENT_DEVICE) is process-global: one thread's reset ends another's device "
+     "(ttc_testing.crash_scenarios default_device_restore_race)"),
+)
+
+# Listed functions that tests import inside their own body (``from .utils import ...``), where no judge
+# resolves them: the plan plugin matches ``from <module> import <name>`` in the test's code by the module's last
+# name and the function's name (``BENCH_THREAD_UNSAFE_IMPORTS``). Not given to pytest-run-parallel: a module
+# named ``utils`` on its list would make it walk into every function of any module of that name.
+THREAD_UNSAFE_IMPORTED: tuple[tuple[str, str], ...] = (
+    ("utils.install_guard_manager_testing_hook",
+     "PyTorch's test/dynamo/utils.py: installs a hook in the process-global "
+     "torch._dynamo.guards.guard_manager_testing_hook_fn, which every thread's compile calls, and restores the "
+     "hook it saw, so the last to restore leaves another thread's installed (ttc_testing.crash_scenarios "
+     "guard_hook_race)"),
 )
 
 
@@ -515,6 +531,7 @@ def plan_env(env: dict[str, str], plan: Path, mode: str) -> dict[str, str]:
     env = dict(env)
     env["BENCH_PARALLEL_PLAN"] = str(plan)
     env["BENCH_PARALLEL_PLAN_MODE"] = mode
+    env["BENCH_THREAD_UNSAFE_IMPORTS"] = ",".join(name for name, _ in THREAD_UNSAFE_IMPORTED)
     return env
 
 

@@ -168,3 +168,47 @@ def test_a_test_that_sets_the_default_dtype_runs_in_one_thread() -> None:
     glb = {"set_default_dtype": cu.set_default_dtype, "torch": torch}
     exec(compile("def body():\n    with set_default_dtype(torch.double):\n        pass\n", "<test>", "exec"), glb)
     assert plan._listed_object_used(glb["body"], listed) == "torch.testing._internal.common_utils.set_default_dtype"
+
+
+def test_a_test_that_installs_the_guard_manager_hook_runs_in_one_thread() -> None:
+    """PyTorch's ``test/dynamo/utils.py install_guard_manager_testing_hook`` puts a test's hook in the
+    process-global ``torch._dynamo.guards.guard_manager_testing_hook_fn``, which every thread's compile calls,
+    and restores the hook it saw: in N threads a thread's hook is called for another thread's compile, and the
+    last thread to restore leaves another's hook installed (torch 2.13's ``test_diff_guard_manager`` failed at
+    2 threads, in either mode at random). Shown with ``TTC_DISABLE=1`` (no package); the tests import the helper
+    inside their body, where no judge resolves it, so the bench's plan matches the import by name."""
+    from ttc_testing import crash_scenarios
+
+    off = crash_scenarios.run("guard_hook_race", env={**os.environ, "TTC_DISABLE": "1"}, rounds=20)
+    assert off.get("foreign_hook_calls", 0) > 0 and off["hook_left_installed"] > 0, off
+
+    ub = _bench_module(".", "upstream_tests")
+    plan = _bench_module("pytest_plugins", "ttc_parallel_plan")
+    imported = frozenset(tuple(name.rsplit(".", 1)) for name, _ in ub.THREAD_UNSAFE_IMPORTED)
+    src = (
+        "def body(self):\n"
+        "    try:\n        from .utils import install_guard_manager_testing_hook\n"
+        "    except ImportError:\n        from utils import install_guard_manager_testing_hook\n"
+        "    with install_guard_manager_testing_hook(None):\n        pass\n"
+        "def other(self):\n    from .utils import make_dynamo_test\n    return make_dynamo_test\n"
+    )
+    glb: dict[str, object] = {}
+    exec(compile(src, "<test>", "exec"), glb)  # only defines the two functions
+    assert plan._listed_object_used(glb["body"], frozenset(), imported) == "utils.install_guard_manager_testing_hook"
+    assert plan._listed_object_used(glb["other"], frozenset(), imported) is None
+    # The environment the bench gives its children carries the entries to the plugin.
+    env = ub.plan_env({}, Path("plan.json"), "write")
+    assert "utils.install_guard_manager_testing_hook" in env["BENCH_THREAD_UNSAFE_IMPORTS"].split(",")
+
+
+def test_a_test_that_sets_the_default_device_runs_in_one_thread() -> None:
+    """``torch.set_default_device`` keeps its context per thread, but the device dynamo's ``DEFAULT_DEVICE``
+    guard reads is the module global ``torch.utils._device.CURRENT_DEVICE``: in N threads one thread's reset
+    ends another's device before its guard check (torch 2.13's ``test_default_device_guard`` failed at 2
+    threads, in either mode at random). Shown with ``TTC_DISABLE=1``; the bench's plan lists it."""
+    from ttc_testing import crash_scenarios
+
+    off = crash_scenarios.run("default_device_restore_race", env={**os.environ, "TTC_DISABLE": "1"}, rounds=200)
+    assert off.get("wrong_checks", 0) > 0, off
+    ub = _bench_module(".", "upstream_tests")
+    assert "torch.set_default_device" in {name for name, _ in ub.THREAD_UNSAFE}

@@ -359,6 +359,126 @@ def default_dtype_restore_race(threads: int = 4, rounds: int = 300) -> dict[str,
             "errors": errors.total(), "error_kinds": errors.kinds()}
 
 
+@scenario
+def guard_hook_race(threads: int = 2, rounds: int = 150) -> dict[str, Any]:
+    """Not a package hazard: a test that races with itself (torch 2.13's
+    ``dynamo/test_guard_manager.py::test_diff_guard_manager`` failed at 2 threads, in one mode or the other at
+    random: ``True is not false``). The test installs its hook in the process-global
+    ``torch._dynamo.guards.guard_manager_testing_hook_fn`` (its ``install_guard_manager_testing_hook`` saves the
+    old value, sets its own, restores the saved one); the hook counts its calls and expects its first call to
+    come from the first compile of ``fn`` (no recompile yet, so the diff guard tree has no ``foo`` guard). In N
+    threads every thread's compile calls whichever hook was installed last -- another thread's, whose count does
+    not match -- and the thread that restores last puts back another thread's hook, which stays installed after
+    the test (the file's later compiles call it). Each round here: a fresh dynamo cache
+    (``torch._dynamo.reset()``, no other thread running), ``threads`` threads (a barrier) run the test's body.
+    Reports the rounds in which a thread failed, the hook calls made for another thread's compile, and the
+    rounds after which a hook stayed installed."""
+    import contextlib
+
+    import torch
+    import torch._dynamo.guards as dynamo_guards
+
+    errors = _Errors()
+    counts = {"failed_rounds": 0, "foreign_hook_calls": 0, "hook_left_installed": 0, "hook_calls": 0}
+    lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def install(hook: Any) -> Any:  # the test's helper (test/dynamo/utils.py), as upstream writes it
+        old = dynamo_guards.guard_manager_testing_hook_fn
+        try:
+            dynamo_guards.guard_manager_testing_hook_fn = hook
+            yield
+        finally:
+            dynamo_guards.guard_manager_testing_hook_fn = old
+
+    def body() -> None:
+        counter = 0
+        owner = threading.get_ident()
+
+        def hook(guard_wrapper: Any, f_locals: Any, builder: Any) -> None:
+            nonlocal counter
+            with lock:
+                counts["hook_calls"] += 1
+                counts["foreign_hook_calls"] += threading.get_ident() != owner
+            root, diff = guard_wrapper.root, guard_wrapper.diff_guard_root
+            f_locals["foo"] = [3, 3]
+            if root.check(f_locals):
+                raise AssertionError("root passed a changed foo")
+            if counter == 0 and not diff.check(f_locals):
+                raise AssertionError("first hook call: the diff guard tree has a foo guard (a recompile)")
+            if counter > 0 and diff.check(f_locals):
+                raise AssertionError("later hook call: the diff guard tree has no foo guard")
+            counter += 1
+
+        class Bar:
+            def __init__(self) -> None:
+                self.x = 4
+                self.y = torch.randn(4)
+
+        bar = Bar()
+
+        def fn(x: Any, foo: Any, bar: Any) -> Any:
+            return x + foo[0] + bar.x * bar.y
+
+        x = torch.randn(4)
+        opt_fn = torch.compile(fn, backend="eager", fullgraph=True)
+        with install(hook):
+            opt_fn(x, (12.0, 13), bar)
+            opt_fn(x, (10.0, 11), bar)
+
+    for _ in range(rounds):
+        torch._dynamo.reset()
+        dynamo_guards.guard_manager_testing_hook_fn = None
+        before = errors.total()
+        _barrier_rounds(threads, 1, body, errors)
+        counts["failed_rounds"] += errors.total() > before
+        counts["hook_left_installed"] += dynamo_guards.guard_manager_testing_hook_fn is not None
+    dynamo_guards.guard_manager_testing_hook_fn = None
+    return {"rounds": rounds, **counts, "errors": errors.total(), "error_kinds": errors.kinds()}
+
+
+@scenario
+def default_device_restore_race(threads: int = 4, rounds: int = 300, switch_s: float = 1e-6) -> dict[str, Any]:
+    """Not a package hazard: a test that races with itself (torch 2.13's
+    ``dynamo/test_guard_manager.py::test_default_device_guard`` failed at 2 threads in one mode or the other at
+    random). ``torch.set_default_device`` keeps its context per thread, but the device that dynamo's
+    ``DEFAULT_DEVICE`` guard reads, ``torch.utils._device.CURRENT_DEVICE``, is a module global: one thread's
+    ``set_default_device(None)`` ends another thread's ``"cuda"`` before that thread's guard check, and the
+    thread that restores last can put back ``"cuda"`` for the rest of the process. Each round: ``threads``
+    threads (a barrier) run the test's body. Reports the guard checks that passed where the test expects a
+    failure, and the rounds after which ``CURRENT_DEVICE`` was left set (then cleared). The body is a few
+    calls, so the GIL is handed over every ``switch_s`` seconds (``sys.setswitchinterval``) to show the window
+    within seconds; under pytest the threads' bodies overlap for longer."""
+    import torch
+    import torch.utils._device as device_mod
+    from torch._C._dynamo import guards
+
+    errors = _Errors()
+    counts = {"wrong_checks": 0, "left_set": 0}
+    lock = threading.Lock()
+
+    def body() -> None:
+        guard = guards.DEFAULT_DEVICE(guards.RootGuardManager(), ["cpu device"], None)
+        if not guard(1):
+            raise AssertionError("the guard failed before the default device was set")
+        try:
+            torch.set_default_device("cuda")
+            if guard(1):  # the test's assertFalse
+                with lock:
+                    counts["wrong_checks"] += 1
+        finally:
+            torch.set_default_device(None)
+
+    def after_round() -> None:
+        if device_mod.CURRENT_DEVICE is not None:
+            counts["left_set"] += 1
+            device_mod.CURRENT_DEVICE = None
+
+    sys.setswitchinterval(switch_s)
+    _barrier_rounds(threads, rounds, body, errors, after=after_round)
+    return {"rounds": rounds, **counts, "errors": errors.total(), "error_kinds": errors.kinds()}
+
+
 def run(name: str, env: dict[str, str] | None = None, timeout: float = 120, **kwargs: Any) -> dict[str, Any]:
     """Run scenario ``name`` in a fresh interpreter with faulthandler on. Returns its JSON result, or
     ``{"crashed": True, "signal": NAME, "frames": [...]}`` when it died of a signal."""

@@ -18,7 +18,10 @@ among them, so ``with patch("...config.e_bool", False)`` in 4 threads passed as 
 ``hide`` flag is process-global). When the wrapper is judged safe, the function under ``__wrapped__`` is
 judged too, with the same settings. And a listed object that the test's own code reaches through a bare
 global name counts whatever its type: the plugin resolves bare names of functions only, so ``with
-profile(...)`` (``torch.profiler.profile``, a class) ran in N threads.
+profile(...)`` (``torch.profiler.profile``, a class) ran in N threads. A listed function the test imports
+inside its own body (``from .utils import install_guard_manager_testing_hook``; the bench's
+``THREAD_UNSAFE_IMPORTED``, given in ``BENCH_THREAD_UNSAFE_IMPORTS``) is matched by its module's last name and
+its own name, since judging imports nothing.
 """
 
 from __future__ import annotations
@@ -35,6 +38,9 @@ import pytest
 
 PLAN = os.environ.get("BENCH_PARALLEL_PLAN", "")
 MODE = os.environ.get("BENCH_PARALLEL_PLAN_MODE", "")
+# "module.name" entries, comma-separated: functions a test may import inside its body (see the docstring).
+IMPORTED = frozenset(tuple(n.rsplit(".", 1)) for n in os.environ.get("BENCH_THREAD_UNSAFE_IMPORTS", "").split(",")
+                     if "." in n)
 
 
 def _plugin(config: Any) -> Any:
@@ -80,7 +86,7 @@ def _judge_own_function_too(plugin: Any) -> None:
                 self.mark_hypothesis_as_unsafe)
             if unsafe:
                 return unsafe, reason and f"{reason} (in the test's own function)"
-        name = _listed_object_used(own, self.skipped_functions)
+        name = _listed_object_used(own, self.skipped_functions, IMPORTED)
         if name:
             return True, f"uses thread-unsafe {name} (imported by name; in the test's own function)"
         return unsafe, reason
@@ -88,29 +94,41 @@ def _judge_own_function_too(plugin: Any) -> None:
     plugin._is_thread_unsafe = types.MethodType(_is_thread_unsafe, plugin)
 
 
-def _listed_object_used(fn: Any, listed: frozenset[tuple[str, str]]) -> str | None:
+def _listed_object_used(fn: Any, listed: frozenset[tuple[str, str]],
+                        imported: frozenset[tuple[str, str]] = frozenset()) -> str | None:
     """The listed entry (``module.name`` of ``thread_unsafe_functions``) that ``fn``'s code reaches through one
     of its global names, or None. pytest-run-parallel 0.10 resolves a bare name (``profile(...)`` after ``from
     torch.profiler import profile``) only when it is bound to a *function*: a class such as
     ``torch.profiler.profile`` slipped through (``test_aot_autograd.py::test_eager_sequence_nr`` ran its
     profiler in 4 threads and died of SIGSEGV in ``profiler.py __exit__``). Matched by identity with the
-    listed object, which is looked up only in modules already imported (judging imports nothing)."""
+    listed object, which is looked up only in modules already imported (judging imports nothing). An
+    ``imported`` entry counts when the test's code runs ``from <module> import <name>`` with the entry's name
+    and a module whose last name is the entry module's last name."""
     wanted: dict[int, str] = {}
     for mod, attr in listed:  # the plugin's (module, name) pairs
         obj = getattr(sys.modules.get(mod), attr, None)
         if obj is not None:
             wanted[id(obj)] = f"{mod}.{attr}"
+    # ``from <module> import <name>`` run by the test itself: (last name of the module, name) -> entry.
+    by_name = {(mod.rsplit(".", 1)[-1], attr): f"{mod}.{attr}" for mod, attr in imported}
     code = getattr(fn, "__code__", None)
     glb = getattr(fn, "__globals__", None)
-    if code is None or not isinstance(glb, dict) or not wanted:
+    if code is None or not isinstance(glb, dict) or not (wanted or by_name):
         return None
     stack = [code]
     while stack:
         c = stack.pop()
+        module = None
         # Global loads only: co_names also holds attribute names (``config.patch`` is not ``mock.patch``).
         for ins in dis.get_instructions(c):
             if ins.opname in ("LOAD_GLOBAL", "LOAD_NAME") and ins.argval in glb:
                 hit = wanted.get(id(glb[ins.argval]))
+                if hit:
+                    return hit
+            elif ins.opname == "IMPORT_NAME":
+                module = str(ins.argval).rsplit(".", 1)[-1]
+            elif ins.opname == "IMPORT_FROM" and module is not None:
+                hit = by_name.get((module, ins.argval))
                 if hit:
                     return hit
         stack.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
