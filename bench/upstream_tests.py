@@ -160,6 +160,12 @@ THREAD_UNSAFE_IMPORTED: tuple[tuple[str, str], ...] = (
      "torch._dynamo.guards.guard_manager_testing_hook_fn, which every thread's compile calls, and restores the "
      "hook it saw, so the last to restore leaves another thread's installed (ttc_testing.crash_scenarios "
      "guard_hook_race)"),
+    ("torch._C._dynamo.eval_frame._reset_precompile_entries",
+     "frees the precompile entries of a code object, which every thread's call of a function with that code "
+     "reads (a test's nested function shares its code object across threads): upstream's race, in both modes "
+     "(ttc_testing.crash_scenarios precompile_entries_shared_code)"),
+    ("torch._C._dynamo.eval_frame._load_precompile_entry",
+     "adds a precompile entry to a code object every thread's calls read, each thread its own"),
 )
 
 

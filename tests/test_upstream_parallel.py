@@ -212,3 +212,25 @@ def test_a_test_that_sets_the_default_device_runs_in_one_thread() -> None:
     assert off.get("wrong_checks", 0) > 0, off
     ub = _bench_module(".", "upstream_tests")
     assert "torch.set_default_device" in {name for name, _ in ub.THREAD_UNSAFE}
+
+
+def test_a_test_that_loads_or_resets_precompile_entries_runs_in_one_thread() -> None:
+    """``test_misc.py::test_fail_on_recompile_error_message`` loads and resets the precompile entries of its
+    nested function's code object, which the N threads share: one thread's reset frees the entry another
+    thread's frame evaluation reads (``SIGSEGV`` in both modes; ``ttc_testing.crash_scenarios
+    precompile_entries_shared_code``). The tests import both functions inside their body."""
+    ub = _bench_module(".", "upstream_tests")
+    plan = _bench_module("pytest_plugins", "ttc_parallel_plan")
+    imported = frozenset(tuple(name.rsplit(".", 1)) for name, _ in ub.THREAD_UNSAFE_IMPORTED)
+    src = (
+        "def both(self):\n    from torch._C._dynamo.eval_frame import (\n        _load_precompile_entry,\n"
+        "        _reset_precompile_entries,\n    )\n"
+        "def load_only(self):\n    from torch._C._dynamo.eval_frame import _load_precompile_entry\n"
+        "def neither(self):\n    from torch._C._dynamo.eval_frame import set_eval_frame\n"
+    )
+    glb: dict[str, object] = {}
+    exec(compile(src, "<test>", "exec"), glb)  # only defines the three functions
+    name = "torch._C._dynamo.eval_frame."
+    assert plan._listed_object_used(glb["both"], frozenset(), imported) == name + "_load_precompile_entry"
+    assert plan._listed_object_used(glb["load_only"], frozenset(), imported) == name + "_load_precompile_entry"
+    assert plan._listed_object_used(glb["neither"], frozenset(), imported) is None
