@@ -186,3 +186,20 @@ def test_inductor_compile_pool_workers_do_not_make_a_program_threaded(tmp_path: 
         pytest.skip(f"inductor on torch {TV} compiled without its thread pool: {out}")
     assert out["before"] is False and out["after_compile"] is False, out
     assert out["with_own_pool"] is True, out
+
+
+def test_the_finder_never_holds_the_import_lock_while_waiting_for_a_compile() -> None:
+    """The bootstrap's meta-path finder runs under importlib's global import lock. Before dynamo was told to
+    skip its frame, an import in a frame running with dynamo's callback set (a compiled function's frame that
+    dynamo skipped) made the callback wait for ``compile_lock`` while holding the import lock, and a thread
+    compiling (its tracing imports) waited for the import lock: 4 threads of PyTorch's
+    ``test_raises_importerror1`` hung with the package and completed without it, in an environment with no
+    other Python finders (``others="drop"``; with setuptools' or pytest's finders upstream hangs too, which
+    this test does not cover). Both modes must complete; the hang fails within the bound."""
+    from ttc_testing import crash_scenarios
+
+    for disable in ("1", "0"):
+        env = {**os.environ, "TTC_DISABLE": disable}
+        r = crash_scenarios.run("finder_under_import_lock_deadlock", env=env, timeout=120, others="drop", rounds=20)
+        assert not r.get("timed_out") and not r.get("crashed") and r.get("errors") == 0, (disable, r)
+        assert ("_PostImportFinder" in r["meta_path"]) == (disable == "0"), r

@@ -479,6 +479,46 @@ def default_device_restore_race(threads: int = 4, rounds: int = 300, switch_s: f
     return {"rounds": rounds, **counts, "errors": errors.total(), "error_kinds": errors.kinds()}
 
 
+@scenario
+def finder_under_import_lock_deadlock(threads: int = 4, rounds: int = 30, others: str = "keep") -> dict[str, Any]:
+    """Not prevented yet, in both modes: a deadlock between Python's global import lock and dynamo's
+    ``compile_lock`` (the stall of ``dynamo/test_misc.py`` at 4 threads, torch 2.13, in
+    ``test_raises_importerror1``). The test's body, in ``threads`` threads: a compiled function that imports a
+    module that does not exist. One thread compiles it; dynamo's tracing of ``IMPORT_NAME`` imports, which needs
+    the import lock. Another thread runs the function's frame as it is with dynamo's callback still set (the
+    frame was skipped), and its import calls each meta-path finder's ``find_spec`` while importlib's
+    ``_find_spec`` holds the import lock; a finder written in Python (setuptools' ``_distutils_hack``,
+    pytest's assertion rewriter, an editable install's finder, the package's own post-import finder) is a
+    frame dynamo's callback does not skip, so the callback waits for ``compile_lock`` -- held by the compiling
+    thread, which waits for the import lock. Each round: ``threads`` threads (a barrier) call a fresh compiled
+    function, then ``torch._dynamo.reset()``. A hang leaves no result: :func:`run` reports ``timed_out``.
+    ``others="drop"`` first removes from ``sys.meta_path`` every finder but importlib's own and the package's,
+    as in an environment without such finders."""
+    import torch
+
+    if others == "drop":
+        sys.meta_path[:] = [f for f in sys.meta_path if getattr(f, "__module__", "") in (
+            "_frozen_importlib", "_frozen_importlib_external", "torch_threadsafe_compile._bootstrap")]
+    errors = _Errors()
+    finders = [type(f).__name__ if not isinstance(f, type) else f.__name__ for f in sys.meta_path]
+
+    def body() -> None:
+        @torch.compile(backend="eager")
+        def fn(x: Any) -> Any:
+            try:
+                import some_module_that_surely_does_not_exist  # noqa: F401
+            except ImportError:
+                pass
+            return x.sin()
+
+        x = torch.randn(8)
+        if not torch.equal(fn(x), x.sin()):
+            raise AssertionError("wrong result")
+
+    _barrier_rounds(threads, rounds, body, errors, after=torch._dynamo.reset)
+    return {"rounds": rounds, "errors": errors.total(), "error_kinds": errors.kinds(), "meta_path": finders}
+
+
 def run(name: str, env: dict[str, str] | None = None, timeout: float = 120, **kwargs: Any) -> dict[str, Any]:
     """Run scenario ``name`` in a fresh interpreter with faulthandler on. Returns its JSON result, or
     ``{"crashed": True, "signal": NAME, "frames": [...]}`` when it died of a signal."""
