@@ -182,22 +182,16 @@ def test_a_test_that_installs_the_guard_manager_hook_runs_in_one_thread() -> Non
     off = crash_scenarios.run("guard_hook_race", env={**os.environ, "TTC_DISABLE": "1"}, rounds=20)
     assert off.get("foreign_hook_calls", 0) > 0 and off["hook_left_installed"] > 0, off
 
-    ub = _bench_module(".", "upstream_tests")
-    plan = _bench_module("pytest_plugins", "ttc_parallel_plan")
-    imported = frozenset(tuple(name.rsplit(".", 1)) for name, _ in ub.THREAD_UNSAFE_IMPORTED)
-    src = (
+    verdicts = _import_verdicts(
         "def body(self):\n"
         "    try:\n        from .utils import install_guard_manager_testing_hook\n"
         "    except ImportError:\n        from utils import install_guard_manager_testing_hook\n"
         "    with install_guard_manager_testing_hook(None):\n        pass\n"
         "def other(self):\n    from .utils import make_dynamo_test\n    return make_dynamo_test\n"
     )
-    glb: dict[str, object] = {}
-    exec(compile(src, "<test>", "exec"), glb)  # only defines the two functions
-    assert plan._listed_object_used(glb["body"], frozenset(), imported) == "utils.install_guard_manager_testing_hook"
-    assert plan._listed_object_used(glb["other"], frozenset(), imported) is None
+    assert verdicts == {"body": "utils.install_guard_manager_testing_hook", "other": None}
     # The environment the bench gives its children carries the entries to the plugin.
-    env = ub.plan_env({}, Path("plan.json"), "write")
+    env = _bench_module(".", "upstream_tests").plan_env({}, Path("plan.json"), "write")
     assert "utils.install_guard_manager_testing_hook" in env["BENCH_THREAD_UNSAFE_IMPORTS"].split(",")
 
 
@@ -219,18 +213,21 @@ def test_a_test_that_loads_or_resets_precompile_entries_runs_in_one_thread() -> 
     nested function's code object, which the N threads share: one thread's reset frees the entry another
     thread's frame evaluation reads (``SIGSEGV`` in both modes; ``ttc_testing.crash_scenarios
     precompile_entries_shared_code``). The tests import both functions inside their body."""
-    ub = _bench_module(".", "upstream_tests")
-    plan = _bench_module("pytest_plugins", "ttc_parallel_plan")
-    imported = frozenset(tuple(name.rsplit(".", 1)) for name, _ in ub.THREAD_UNSAFE_IMPORTED)
-    src = (
+    load = "torch._C._dynamo.eval_frame._load_precompile_entry"
+    assert _import_verdicts(
         "def both(self):\n    from torch._C._dynamo.eval_frame import (\n        _load_precompile_entry,\n"
         "        _reset_precompile_entries,\n    )\n"
         "def load_only(self):\n    from torch._C._dynamo.eval_frame import _load_precompile_entry\n"
         "def neither(self):\n    from torch._C._dynamo.eval_frame import set_eval_frame\n"
-    )
+    ) == {"both": load, "load_only": load, "neither": None}
+
+
+def _import_verdicts(src: str) -> dict[str, str | None]:
+    """The plan plugin's verdict on each function ``src`` defines, with the bench's ``THREAD_UNSAFE_IMPORTED``
+    (the functions are compiled, never called)."""
+    ub = _bench_module(".", "upstream_tests")
+    plan = _bench_module("pytest_plugins", "ttc_parallel_plan")
+    imported = frozenset(tuple(name.rsplit(".", 1)) for name, _ in ub.THREAD_UNSAFE_IMPORTED)
     glb: dict[str, object] = {}
-    exec(compile(src, "<test>", "exec"), glb)  # only defines the three functions
-    name = "torch._C._dynamo.eval_frame."
-    assert plan._listed_object_used(glb["both"], frozenset(), imported) == name + "_load_precompile_entry"
-    assert plan._listed_object_used(glb["load_only"], frozenset(), imported) == name + "_load_precompile_entry"
-    assert plan._listed_object_used(glb["neither"], frozenset(), imported) is None
+    exec(compile(src, "<test>", "exec"), glb)  # only defines the functions
+    return {k: plan._listed_object_used(v, frozenset(), imported) for k, v in glb.items() if k != "__builtins__"}
