@@ -117,6 +117,7 @@ def _on_import(name: str) -> None:
         _lifecycle.on_module_imported(name)
     except Exception as e:  # never break the user's import of torch
         _activation.warn_once(f"not active ({type(e).__name__}: {e}); torch runs unpatched")
+    _hide_finder_from_dynamo()
 
 
 _problems_reported = False
@@ -168,3 +169,32 @@ def deactivate() -> None:
 def activate_start() -> None:
     """Entry point named in ``torch_threadsafe_compile.start`` (PEP 829)."""
     activate("pth")
+
+
+_finder_hidden = False
+
+
+def _hide_finder_from_dynamo() -> None:
+    """Tell dynamo to run the bootstrap's meta-path finder as it is, never to compile it (once dynamo's
+    ``skip_code`` exists; applied whatever the patches' states, as the finder is there whatever they are).
+
+    Why: importlib calls every meta-path finder's ``find_spec`` while it holds the global import lock. When
+    the importing frame runs with dynamo's callback set (a frame of a compiled function that dynamo skipped),
+    the finder's frame reaches the callback like any user frame; torch skips its own and the standard
+    library's frames before taking ``compile_lock``, but not ours, so the callback waited for ``compile_lock``
+    while holding the import lock -- and a thread compiling, whose tracing imports (``IMPORT_NAME``), held
+    ``compile_lock`` and waited for the import lock: a hang that upstream, without this finder, does not have
+    (``ttc_testing.crash_scenarios finder_under_import_lock_deadlock others=drop``; seen as the stall of
+    ``dynamo/test_misc.py::test_raises_importerror1`` at 4 threads). Our frame is skipped only: the finders
+    it consults for watched names are frames of their own, judged by dynamo as upstream judges them."""
+    global _finder_hidden
+    if _finder_hidden or "torch._dynamo.eval_frame" not in sys.modules:
+        return
+    skip = getattr(sys.modules.get("torch._dynamo.eval_frame"), "skip_code", None)
+    if skip is None:  # not defined yet (the module is still importing): the next watched import tries again
+        return
+    try:
+        skip(_PostImportFinder.find_spec.__code__)
+    except Exception:  # a torch whose skip_code differs: the finder stays as it was
+        pass
+    _finder_hidden = True

@@ -284,36 +284,7 @@ def apply_ready() -> None:
 def on_module_imported(name: str) -> None:
     """Called by the bootstrap when a watched torch module finished importing."""
     _finished.add(name)
-    _hide_finder_from_dynamo()
     apply_ready()
-
-
-_finder_hidden = False
-
-
-def _hide_finder_from_dynamo() -> None:
-    """Tell dynamo to run the bootstrap's meta-path finder as it is, never to compile it (once dynamo's
-    ``skip_code`` exists; applied whatever the patches' states, as the finder is there whatever they are).
-
-    Why: importlib calls every meta-path finder's ``find_spec`` while it holds the global import lock. When
-    the importing frame runs with dynamo's callback set (a frame of a compiled function that dynamo skipped),
-    the finder's frame reaches the callback like any user frame; torch skips its own and the standard
-    library's frames before taking ``compile_lock``, but not ours, so the callback waited for ``compile_lock``
-    while holding the import lock -- and a thread compiling, whose tracing imports (``IMPORT_NAME``), held
-    ``compile_lock`` and waited for the import lock: a hang that upstream, without this finder, does not have
-    (``ttc_testing.crash_scenarios finder_under_import_lock_deadlock others=drop``; seen as the stall of
-    ``dynamo/test_misc.py::test_raises_importerror1`` at 4 threads). Our frame is skipped only: the finders
-    it consults for watched names are frames of their own, judged by dynamo as upstream judges them."""
-    global _finder_hidden
-    if _finder_hidden or "torch._dynamo.eval_frame" not in sys.modules:
-        return
-    try:
-        from torch_threadsafe_compile import _bootstrap, _torch
-
-        _finder_hidden = _torch.skip_code(_bootstrap._PostImportFinder.find_spec.__code__)
-    except Exception as e:  # a torch without skip_code's module shape: the finder stays as it was
-        log.debug("could not hide the finder from dynamo: %r", e)
-        _finder_hidden = True
 
 
 def reset_for_install() -> None:
