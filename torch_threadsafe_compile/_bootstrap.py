@@ -188,10 +188,10 @@ def _hide_finder_from_dynamo() -> None:
     ``dynamo/test_misc.py::test_raises_importerror1`` at 4 threads). Our frame is skipped only: the finders
     it consults for watched names are frames of their own, judged by dynamo as upstream judges them."""
     global _finder_hidden
-    if _finder_hidden or "torch._dynamo.eval_frame" not in sys.modules:
+    if _finder_hidden:
         return
     skip = getattr(sys.modules.get("torch._dynamo.eval_frame"), "skip_code", None)
-    if skip is None:  # not defined yet (the module is still importing): the next watched import tries again
+    if skip is None:  # dynamo not imported, or still importing: the next watched import tries again
         return
     try:
         skip(_PostImportFinder.find_spec.__code__)
