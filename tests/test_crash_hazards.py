@@ -204,3 +204,22 @@ def test_h11_reset_holding_compile_lock_does_not_wait_for_or_free_under_waiting_
     assert out["waiting"], out  # the lock is instrumented (compile_lock_watchdog) and the other thread waited
     assert out["reset_s"] < 30 and out["ok"] and out["after"], out
     assert out["frames"] == 3, out  # f, f for double, f again after the reset
+
+
+def test_h12_a_finder_under_the_import_lock_never_waits_for_a_compile() -> None:
+    """patch first_compile (its frame callback): an import inside a compiled function's frame that dynamo runs
+    as it is calls a meta-path finder written in Python under importlib's global import lock; upstream's
+    callback waits there for ``compile_lock``, held by a thread whose tracing imports and waits for the import
+    lock (``dynamo/test_misc.py::test_raises_importerror1`` in 4 threads). The scenario installs its own
+    Python finder (``others="python"``), so the hazard does not depend on what the environment installed.
+    Unpatched must hang (the bound ends it: ``timed_out``), active must complete: each within its bound."""
+    runs = []
+    for _ in range(2):  # a race: the unpatched run hung in every run measured (docs/hazards.md, H12)
+        off = crash_scenarios.run("finder_under_import_lock_deadlock", env=_env(OFF), timeout=45, others="python")
+        runs.append(off)
+        if off.get("timed_out"):
+            break
+    else:
+        pytest.skip(f"the import-lock deadlock did not show unpatched in {len(runs)} runs here: {runs}")
+    for on in completes_active("finder_under_import_lock_deadlock", timeout=120, others="python"):
+        assert on["errors"] == 0 and on["meta_path"][0] == "_PythonFinder", on

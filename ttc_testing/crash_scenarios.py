@@ -479,26 +479,41 @@ def default_device_restore_race(threads: int = 4, rounds: int = 300, switch_s: f
     return {"rounds": rounds, **counts, "errors": errors.total(), "error_kinds": errors.kinds()}
 
 
+class _PythonFinder:
+    """A meta-path finder written in Python that finds nothing (as setuptools' ``_distutils_hack`` does for
+    most names): importlib calls it holding the global import lock."""
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> None:
+        return None
+
+
 @scenario
 def finder_under_import_lock_deadlock(threads: int = 4, rounds: int = 30, others: str = "keep") -> dict[str, Any]:
-    """Not prevented yet, in both modes: a deadlock between Python's global import lock and dynamo's
-    ``compile_lock`` (the stall of ``dynamo/test_misc.py`` at 4 threads, torch 2.13, in
+    """H12: a deadlock between Python's global import lock and dynamo's ``compile_lock`` (the stall of
+    ``dynamo/test_misc.py`` at 4 threads, torch 2.13, in
     ``test_raises_importerror1``). The test's body, in ``threads`` threads: a compiled function that imports a
     module that does not exist. One thread compiles it; dynamo's tracing of ``IMPORT_NAME`` imports, which needs
     the import lock. Another thread runs the function's frame as it is with dynamo's callback still set (the
     frame was skipped), and its import calls each meta-path finder's ``find_spec`` while importlib's
     ``_find_spec`` holds the import lock; a finder written in Python (setuptools' ``_distutils_hack``,
-    pytest's assertion rewriter, an editable install's finder, the package's own post-import finder) is a
-    frame dynamo's callback does not skip, so the callback waits for ``compile_lock`` -- held by the compiling
-    thread, which waits for the import lock. Each round: ``threads`` threads (a barrier) call a fresh compiled
+    pytest's assertion rewriter, an editable install's finder; the package's own finder before dynamo was told
+    to skip it) is a frame dynamo's callback does not skip, so upstream's callback waits for ``compile_lock``
+    -- held by the compiling thread, which waits for the import lock. Prevented by first_compile's frame
+    callback (``_callback.under_import_lock``). Each round: ``threads`` threads (a barrier) call a fresh compiled
     function, then ``torch._dynamo.reset()``. A hang leaves no result: :func:`run` reports ``timed_out``.
     ``others="drop"`` first removes from ``sys.meta_path`` every finder but importlib's own and the package's,
-    as in an environment without such finders."""
+    as in an environment without such finders; ``others="python"`` then adds one finder written in Python
+    (:class:`_PythonFinder`, a third party's as far as dynamo can tell), so that the hazard does not depend on
+    what the environment installed."""
     import torch
 
-    if others == "drop":
+    if others not in ("keep", "drop", "python"):
+        raise ValueError(f"others must be keep, drop or python, not {others!r}")
+    if others in ("drop", "python"):
         sys.meta_path[:] = [f for f in sys.meta_path if getattr(f, "__module__", "") in (
             "_frozen_importlib", "_frozen_importlib_external", "torch_threadsafe_compile._bootstrap")]
+    if others == "python":
+        sys.meta_path.insert(0, _PythonFinder())
     errors = _Errors()
     finders = [type(f).__name__ if not isinstance(f, type) else f.__name__ for f in sys.meta_path]
 

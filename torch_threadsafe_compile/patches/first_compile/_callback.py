@@ -9,10 +9,20 @@ compiles on their own) compile as upstream, as part of the flight of the enclosi
 
 ``compile_lock`` is dynamo's own RLock, taken a few lines earlier than upstream: no new lock, so no new lock
 order. A compile that raises releases the lock on the way out and the error reaches that caller.
+
+One exception to "as upstream" (H12 in docs/hazards.md): a frame that runs inside a meta-path finder called by
+importlib -- this thread holds Python's global import lock -- never waits for ``compile_lock``. Upstream's
+callback would (dynamo skips its own and the standard library's frames, not a third party's finder), while the
+thread holding ``compile_lock`` may be tracing an ``import`` that waits for the import lock: a deadlock of
+both threads, for good. When the lock is taken, such a frame runs as it is this time (what dynamo does with
+a frame it skips; a finder's frame holds no tensor code for dynamo to capture); when it is free, this thread
+holds it for the callback, so upstream's own acquire inside cannot wait either. Single-threaded nothing
+changes: the lock is always free.
 """
 
 from __future__ import annotations
 
+import _imp
 import functools
 import os
 import sys
@@ -30,6 +40,26 @@ from torch_threadsafe_compile.patches.first_compile._stats import Stats
 
 _MODULE_FILE = os.path.join("torch", "nn", "modules", "module.py")
 _MODULE_PLUMBING = ("_call_impl", "_wrapped_call_impl")
+
+
+# importlib calls every meta-path finder's ``find_spec`` from this function, holding the global import lock
+# (``with _ImportLockContext()`` around each call; path hooks run inside PathFinder, inside it too).
+_FIND_SPEC_CODE = getattr(getattr(sys.modules.get("_frozen_importlib"), "_find_spec", None), "__code__", None)
+
+
+def under_import_lock(caller: Any) -> bool:
+    """Whether this thread is inside importlib's ``_find_spec`` (a meta-path finder or something it calls),
+    so holds Python's global import lock. ``_imp.lock_held()`` (held by any thread) is the cheap first test:
+    the stack is walked only while some thread holds that lock."""
+    if not _imp.lock_held():
+        return False
+    f = caller
+    while f is not None:
+        code = f.f_code
+        if code is _FIND_SPEC_CODE or (code.co_name == "_find_spec" and code.co_filename.startswith("<frozen importlib")):
+            return True
+        f = f.f_back
+    return False
 
 
 def first_frame_gate(caller: Any, cw_code: types.CodeType, plumbing: list[types.CodeType]) -> Any:
@@ -115,6 +145,22 @@ class FrameCallback:
         return code is not None and caller is not None and caller.f_code is code
 
     def handle(self, callback: Any, frame: Any, caller: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if _imp.lock_held() and under_import_lock(caller):
+            # H12: never wait for compile_lock while holding the import lock (see the module docstring).
+            lock = compile_lock()
+            held = _flights.hold_count(lock)
+            before = held()
+            try:
+                if not lock.acquire(False):
+                    del caller
+                    return self.skip_frame()
+                return self._handle(callback, frame, caller, args, kwargs)
+            finally:
+                while held() > before:
+                    lock.release()
+        return self._handle(callback, frame, caller, args, kwargs)
+
+    def _handle(self, callback: Any, frame: Any, caller: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if _flights.internal.busy:  # a frame created by the flight bookkeeping itself
             del caller
             return self.original(callback, frame, *args, **kwargs)
