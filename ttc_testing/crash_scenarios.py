@@ -1,5 +1,5 @@
-"""Crash scenarios found by running PyTorch's own tests with pytest-run-parallel (H8, H9, H11), each small enough
-to run in a few seconds without pytest, in its own interpreter, reporting one JSON line (or dying); beside them
+"""Crash scenarios found by running PyTorch's own tests with pytest-run-parallel (H8, H9, H11, H12), each
+small enough to run in a few seconds without pytest, in its own interpreter, reporting one JSON line (or dying); beside them
 the causes found not to be the package's (a deadlock in torch, a test that races with itself), reproduced the
 same way so that both modes can be measured.
 

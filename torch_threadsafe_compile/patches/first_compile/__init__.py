@@ -25,6 +25,10 @@ This patch makes the threads look again. The path of one compiled call (docs/arc
    wait for it, so no thread walks dynamo's cache entries while they are freed.
 
 Functions compiled *before* an explicit ``install()`` have no gate: they keep upstream behaviour for H3.
+
+The callback also carries H12's rule (``_callback.under_import_lock``): a frame inside a meta-path finder
+(its thread holds Python's global import lock) never waits for ``compile_lock``; test
+``tests/test_crash_hazards.py::test_h12_*``.
 """
 
 from __future__ import annotations
