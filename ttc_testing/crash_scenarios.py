@@ -479,6 +479,37 @@ def default_device_restore_race(threads: int = 4, rounds: int = 300, switch_s: f
     return {"rounds": rounds, **counts, "errors": errors.total(), "error_kinds": errors.kinds()}
 
 
+@scenario
+def fx_annotate_global_race(threads: int = 4, rounds: int = 20, calls: int = 500) -> dict[str, Any]:
+    """Not a package hazard: torch's ``torch.fx.traceback.current_meta`` is one module global, and
+    ``fx_traceback.annotate`` (which ``torch._dynamo``'s ``_fn`` enters around every call of a function it
+    disabled, ``torch._dynamo.export``'s capture among them) reads ``"custom"``, sets it, and deletes or restores
+    it on exit, with no lock. In N threads one thread's exit deletes or restores the entry under another's:
+    a ``KeyError: 'custom'`` on exit, or an entry left behind (or lost) that later traces copy into their
+    nodes' metadata. Seen as ``fx/test_source_matcher_utils.py::test_module_partitioner_functional_linear_relu_linear``
+    (run by ``test_fx.py``) at 4 threads: ``KeyError: 'custom'`` active, alone; unpatched the test dies first
+    (H9). The package does not touch ``torch.fx.traceback``. Each round: ``threads`` threads (a barrier) enter
+    and leave ``annotate`` ``calls`` times, yielding the GIL inside; reports the errors and the rounds after which
+    ``current_meta`` kept a ``"custom"`` entry (with no thread inside, there should be none)."""
+    import torch.fx.traceback as fx_traceback
+
+    errors = _Errors()
+    left = {"rounds_with_custom_left": 0}
+
+    def body() -> None:
+        for _ in range(calls):
+            with fx_traceback.annotate({"_torchdynamo_disable": True}):
+                time.sleep(0)
+
+    def after() -> None:
+        if "custom" in fx_traceback.current_meta:
+            left["rounds_with_custom_left"] += 1
+            del fx_traceback.current_meta["custom"]
+
+    _barrier_rounds(threads, rounds, body, errors, after=after)
+    return {"rounds": rounds, **left, "errors": errors.total(), "error_kinds": errors.kinds()}
+
+
 class _PythonFinder:
     """A meta-path finder written in Python that finds nothing (as setuptools' ``_distutils_hack`` does for
     most names): importlib calls it holding the global import lock."""
