@@ -145,7 +145,7 @@ class FrameCallback:
         return code is not None and caller is not None and caller.f_code is code
 
     def handle(self, callback: Any, frame: Any, caller: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if _imp.lock_held() and under_import_lock(caller):
+        if under_import_lock(caller):  # its own first test is the cheap _imp.lock_held()
             # H12: never wait for compile_lock while holding the import lock (see the module docstring).
             lock = compile_lock()
             held = _flights.hold_count(lock)
