@@ -223,3 +223,22 @@ def test_h12_a_finder_under_the_import_lock_never_waits_for_a_compile() -> None:
         pytest.skip(f"the import-lock deadlock did not show unpatched in {len(runs)} runs here: {runs}")
     for on in completes_active("finder_under_import_lock_deadlock", timeout=120, others="python"):
         assert on["errors"] == 0 and on["meta_path"][0] == "_PythonFinder", on
+
+
+def test_h13_dynamo_code_callbacks_never_deadlock_with_the_traceback_free_list() -> None:
+    """patch deferred_code_callbacks: 4 threads capture tracebacks inside fresh functions whose code objects
+    dynamo has recorded as it records every code object it makes (``CleanupManager.instance``,
+    ``output_codes``), then drop both: torch frees the code objects under its traceback free-list mutex, and
+    dynamo's Python weakref callbacks hand the GIL to a thread that waits for that mutex
+    (``dynamo/test_aot_autograd.py`` at 4 threads). Unpatched must hang (the bound ends it), active must complete,
+    with every callback done (the dictionary holds only what is still alive)."""
+    runs = []
+    for _ in range(2):  # a race: the unpatched run hung in every run measured (docs/hazards.md, H13)
+        off = crash_scenarios.run("captured_traceback_free_deadlock", env=_env(OFF), timeout=40, callbacks="dynamo")
+        runs.append(off)
+        if off.get("timed_out"):
+            break
+    else:
+        pytest.skip(f"the traceback free-list deadlock did not show unpatched in {len(runs)} runs here: {runs}")
+    for on in completes_active("captured_traceback_free_deadlock", timeout=120, callbacks="dynamo"):
+        assert on["tracebacks"] > 1000 and on["left"] == 0, on

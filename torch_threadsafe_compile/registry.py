@@ -267,6 +267,18 @@ SPECS: dict[str, PatchSpec] = {
             test="tests/test_crash_hazards.py::test_h9_export_beside_compiled_calls_does_not_crash",
         ),
         PatchSpec(
+            id="deferred_code_callbacks",
+            hazard="H13",
+            summary="dynamo's weakref callbacks on code objects run no Python code under torch's traceback free-list "
+                    "mutex while other threads exist (no deadlock with the GIL)",
+            upstream=("torch/csrc/profiler/python/combined_traceback.cpp: freeDeadCapturedTracebackFrames decrefs "
+                      "code objects while holding to_free_frames_mutex (pytorch/pytorch#118260, thread safety)"),
+            torch_versions=">=2.4",
+            modules=("torch._dynamo",),  # its import completes after utils and convert_frame
+            scenario="captured_traceback_free_deadlock",
+            test="tests/test_crash_hazards.py::test_h13_dynamo_code_callbacks_never_deadlock_with_the_traceback_free_list",
+        ),
+        PatchSpec(
             id="eval_frame_shim",
             hazard="H10",
             summary="free-threaded builds: dynamo's set_eval_frame runs one thread at a time (no shim recursion, "

@@ -265,7 +265,7 @@ def precompile_entries_shared_code(threads: int = 4, rounds: int = 20) -> dict[s
 
 
 @scenario
-def captured_traceback_free_deadlock(threads: int = 4, seconds: float = 5.0) -> dict[str, Any]:
+def captured_traceback_free_deadlock(threads: int = 4, seconds: float = 5.0, callbacks: str = "own") -> dict[str, Any]:
     """Not a package hazard: a deadlock in torch itself, in both modes (the hang of ``dynamo/test_repros.py`` and
     ``dynamo/test_aot_autograd.py`` at 4 threads; docs/upstream-tests.md). torch's ``CapturedTraceback`` keeps
     its frames' code objects and frees them in ``freeDeadCapturedTracebackFrames`` while it holds its
@@ -274,14 +274,26 @@ def captured_traceback_free_deadlock(threads: int = 4, seconds: float = 5.0) -> 
     GIL to another thread; if that thread then gathers or frees a traceback (``PythonTraceback::gather`` or
     ``release``), it waits for the mutex while holding the GIL, and neither moves again. Here each thread makes
     fresh functions (code objects with a Python weakref callback), captures a traceback inside one and drops both.
-    A hang leaves no result: :func:`run` reports ``timed_out``."""
+    A hang leaves no result: :func:`run` reports ``timed_out``.
+
+    ``callbacks="own"``: the scenario's own Python weakref callback on each code object (torch's hazard as
+    such: the package does not prevent it). ``callbacks="dynamo"``: instead, each code object is recorded as
+    ``convert_frame`` records every code object it makes (``CleanupManager.instance[code] = cleanups``,
+    ``output_codes.add(code)``), so the callbacks are dynamo's own: the hang of ``dynamo/test_aot_autograd.py``
+    (H13, which the package prevents)."""
     import weakref
 
     from torch.utils._traceback import CapturedTraceback
 
+    if callbacks not in ("own", "dynamo"):
+        raise ValueError(f"callbacks={callbacks!r}: expected 'own' or 'dynamo'")
+    if callbacks == "dynamo":
+        from torch._dynamo.convert_frame import output_codes
+        from torch._dynamo.utils import CleanupManager
+
     sys.setswitchinterval(1e-5)  # hand the GIL over often, so the window is hit within seconds
     alive: dict[int, Any] = {}
-    counts = {"tracebacks": 0, "callbacks": 0}
+    counts = {"tracebacks": 0, "callbacks": 0}  # callbacks: of callbacks="own" only
 
     def callback(ref: Any) -> None:  # a little Python, like dynamo's _remove_id
         alive.pop(id(ref), None)
@@ -292,8 +304,12 @@ def captured_traceback_free_deadlock(threads: int = 4, seconds: float = 5.0) -> 
         exec(compile(f"def f{i}():\n    return CapturedTraceback.extract()\n", f"<gen{i}>", "exec"),
              {"CapturedTraceback": CapturedTraceback}, ns)
         f = ns.pop(f"f{i}")
-        ref = weakref.ref(f.__code__, callback)
-        alive[id(ref)] = ref
+        if callbacks == "dynamo":
+            CleanupManager.instance[f.__code__] = []  # no hooks: the loop over them is Python enough
+            output_codes.add(f.__code__)
+        else:
+            ref = weakref.ref(f.__code__, callback)
+            alive[id(ref)] = ref
         tb = f()
         del f, tb  # the traceback holds the code object's last reference: freed under torch's mutex
         counts["tracebacks"] += 1
@@ -311,6 +327,11 @@ def captured_traceback_free_deadlock(threads: int = 4, seconds: float = 5.0) -> 
         t.start()
     for t in ts:
         t.join()
+    if callbacks == "dynamo":
+        gc.collect()
+        CapturedTraceback.extract()  # frees what torch's free list still holds
+        _ = None in CleanupManager.instance  # a read (with the package, deferred callbacks run first)
+        counts["left"] = len(CleanupManager.instance.values)  # entries whose code objects died and stayed
     return dict(counts)
 
 
