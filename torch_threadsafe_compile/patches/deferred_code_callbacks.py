@@ -29,6 +29,9 @@ the program's runs besides the main thread (``_torch.program_threads_started``: 
 helper threads do not count) keep upstream's Python callback, so a single-threaded program is upstream's (the
 cost is the check for threads); an entry set before the first thread started keeps that callback for its life.
 
+Revert runs what is pending; entries made while the patch was applied keep its callback, whose records
+nobody runs any more (their values, and for ``CleanupManager`` the hooks' globals, then live on).
+
 Not covered: Python weakref callbacks on code objects that are not dynamo's (a program's own: the
 scenario's ``callbacks=own`` hangs in both modes), and Python code that a code object's death reaches in other
 ways (``__del__`` of objects it kept alive). The fix that covers everything belongs in torch: decref after
