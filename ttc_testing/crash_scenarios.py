@@ -335,6 +335,66 @@ def captured_traceback_free_deadlock(threads: int = 4, seconds: float = 5.0, cal
     return dict(counts)
 
 
+def _closed_int_round(counter: Any) -> int:
+    """The body of ``dynamo/test_recompiles.py::test_automatic_dynamic_on_closed_ints``: ``h``'s code object is
+    a constant of this function, so every thread and every round compiles the same code object, as the
+    test's threads do."""
+    import torch
+
+    def f(x: Any) -> Any:
+        def g(y: Any) -> Any:
+            return y + x
+
+        return g
+
+    @torch.compile(backend=counter)
+    def h(x: Any, g: Any) -> Any:
+        return g(x)
+
+    for i in range(10):
+        h(torch.randn(5), f(i))
+    return int(counter.frame_count)
+
+
+@scenario
+def closed_int_recompile_race(threads: int = 4, rounds: int = 20, resets: int = 1) -> dict[str, Any]:
+    """Not a package hazard: a test that races with itself
+    (``dynamo/test_recompiles.py::test_automatic_dynamic_on_closed_ints`` failed once at 4 threads in the
+    union-plan run, active; alone it passed in 4 threads in both modes). Its threads compile one shared code
+    object, and dynamo keeps that code object's automatic-dynamic memory (``frame_state``: "this int changed,
+    compile it dynamic") and its cache per code object, not per thread; dynamo's test case resets dynamo in
+    every thread's ``setUp`` and ``tearDown`` (``resets=1``: one ``torch._dynamo.reset()`` before and after
+    the body, as there). A thread's reset mid-way through another thread's ten calls takes that memory and
+    that cache away: the other thread compiles a third frame (``frame_count == 3`` where the test expects 2);
+    a thread that starts after another has marked the int dynamic compiles 1. Each round: ``threads`` threads
+    (a barrier, then the body); reports the frame counts seen and how many differ from 2. Measured (torch
+    2.13, 20 rounds): active, 62 of 80 bodies counted something else than 2 (1 to 9 frames); ``TTC_DISABLE=1``
+    died of ``SIGSEGV`` in ``compile_wrapper`` (a reset while other threads run compiled code: H3's crash,
+    which the package prevents). ``resets=0`` (no reset at all): most bodies count 0 in both modes (the
+    cache of an earlier round or thread serves them)."""
+    import torch
+    import torch._dynamo
+    import torch._dynamo.testing
+
+    counts: dict[int, int] = {}
+    lock = threading.Lock()
+    errors = _Errors()
+
+    def body() -> None:
+        for _ in range(resets):
+            torch._dynamo.reset()
+        n = _closed_int_round(torch._dynamo.testing.CompileCounter())
+        for _ in range(resets):
+            torch._dynamo.reset()
+        with lock:
+            counts[n] = counts.get(n, 0) + 1
+
+    _barrier_rounds(threads, rounds, body, errors)
+    return {"frame_counts": {str(k): v for k, v in sorted(counts.items())},
+            "not_two": sum(v for k, v in counts.items() if k != 2), "bodies": sum(counts.values()),
+            "errors": errors.total(), "error_kinds": errors.kinds()}
+
+
 @scenario
 def default_dtype_restore_race(threads: int = 4, rounds: int = 300) -> dict[str, Any]:
     """Not a package hazard: a test that races with itself, and the next test pays (torch 2.15's
