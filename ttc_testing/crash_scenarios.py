@@ -396,6 +396,53 @@ def closed_int_recompile_race(threads: int = 4, rounds: int = 20, resets: int = 
 
 
 @scenario
+def shared_log_capture_race(threads: int = 8, rounds: int = 30) -> dict[str, Any]:
+    """Not a package hazard: tests that assert on what every thread shares
+    (``dynamo/test_reorder_logs.py::test_ignore_logger_*`` at 8 threads, failing in either mode from run to
+    run). Each test body captures one module-level logger with ``self.assertLogs(logger)``, which *replaces*
+    that logger's handlers by its own capture for the duration and puts the old ones back on exit. In N
+    threads at once, the captures overwrite each other: a thread's capture holds another thread's records
+    (the test's ``'moo' unexpectedly found``), or misses its own (``no logs of level ... triggered``). Here,
+    each round: ``threads`` threads (a barrier), each inside ``assertLogs`` waits a moment (the test compiles
+    there), logs its own message, waits again, and checks what its capture holds; half of them also log
+    ``"moo"``, as an eager call does in the test. No torch at all: the same in both modes by construction (it
+    measures the test, not the package)."""
+    import logging
+    import unittest
+
+    logger = logging.getLogger("ttc_testing.shared_log_capture_race")
+    case = unittest.TestCase()
+    found = {"foreign": 0, "missing": 0, "bodies": 0}
+    lock = threading.Lock()
+    errors = _Errors()
+    names = iter(range(10**9))
+
+    def body() -> None:
+        with lock:
+            me = next(names)
+        foreign = missing = False
+        try:
+            with case.assertLogs(logger, level="INFO") as cm:
+                time.sleep(0.001)  # the test compiles here: other threads enter and leave meanwhile
+                logger.info("mine %d", me)
+                if me % 2:
+                    logger.info("moo")
+                time.sleep(0.001)
+            mine = [r for r in cm.output if r.endswith(f"mine {me}")]
+            foreign = any("mine" in r and r not in mine for r in cm.output) or (not me % 2 and any("moo" in r for r in cm.output))
+            missing = not mine
+        except AssertionError:  # assertLogs: "no logs of level INFO or higher triggered"
+            missing = True
+        with lock:
+            found["foreign"] += foreign
+            found["missing"] += missing
+            found["bodies"] += 1
+
+    _barrier_rounds(threads, rounds, body, errors)
+    return {**found, "errors": errors.total(), "error_kinds": errors.kinds()}
+
+
+@scenario
 def default_dtype_restore_race(threads: int = 4, rounds: int = 300) -> dict[str, Any]:
     """Not a package hazard: a test that races with itself, and the next test pays (torch 2.15's
     ``dynamo/test_guard_manager.py::test_skip_size_stride_guards_on_static_tensors`` failed at 4 threads in
