@@ -97,3 +97,48 @@ def test_h13_dynamo_weak_dictionaries_read_the_same_in_both_modes(threaded: bool
         assert deferred > 0 and on["meta"]["stats"]["run"] > 0 and on["meta"]["stats"]["pending"] == 0, on["meta"]
     else:  # upstream's entries, Python callbacks and all
         assert deferred == 0, on["meta"]
+
+
+def test_h13_a_key_at_a_dead_keys_address_keeps_its_entry() -> None:
+    """The window upstream never meets (its callback runs before an address can be reused): a key dies, its
+    deferred callback is taken by one thread but has not run, and a new key at the same address is set. The new
+    key must get a weakref of its own, and the old callback, run late, must leave the new entry alone. The
+    address reuse is set up by hand (the dead key's weakref put where the new key's would be)."""
+    p = run_py("""
+import json, threading, torch, torch._dynamo
+from torch._dynamo.convert_frame import Tracker
+from torch._dynamo.utils import ExactWeakKeyDictionary
+from torch_threadsafe_compile.patches import deferred_code_callbacks as dcc
+
+stop = threading.Event()
+threading.Thread(target=stop.wait, daemon=True).start()
+out = {}
+d, t = ExactWeakKeyDictionary(), Tracker()
+new_key, new_code = type("K", (), {})(), compile("z = 1", "<n>", "exec")
+for owner, run, idx in ((d, dcc._run_dict_entry, id(new_key)), (t, dcc._run_tracker_entry, id(new_code))):
+    old = type("Old", (), {})()
+    ref = dcc._Ref(old, owner, idx, run)  # the dead key's weakref, as if it had lived at the new key's address
+    if owner is d:
+        d.refs[idx], d.values[idx] = ref, "old"
+    else:
+        t.seen_ids.add(idx)
+        t.__dict__.setdefault(dcc.TRACKER_REFS, {})[idx] = ref
+    del old
+    taken = dcc.DEAD.popleft()  # one thread took it, and has not run it yet
+    assert taken is ref
+    if owner is d:
+        d[new_key] = "new"
+    else:
+        t.add(new_code)
+    out[type(owner).__name__ + "_late_callback_ran"] = run(taken)
+out["dict_value"] = d.get(new_key)
+out["dict_ref_is_new"] = d.refs[id(new_key)]() is new_key
+out["tracker_sees_new"] = new_code in t
+stop.set()
+print("RESULT " + json.dumps(out))
+""", timeout=120)
+    lines = [line for line in p.stdout.splitlines() if line.startswith("RESULT ")]
+    assert lines, p.stderr[-3000:]
+    assert json.loads(lines[-1][len("RESULT "):]) == {
+        "ExactWeakKeyDictionary_late_callback_ran": False, "Tracker_late_callback_ran": False,
+        "dict_value": "new", "dict_ref_is_new": True, "tracker_sees_new": True}

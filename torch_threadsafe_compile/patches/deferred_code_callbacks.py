@@ -15,7 +15,7 @@ threads, in both modes. Reproducer: ``python -m ttc_testing.crash_scenarios capt
 callbacks=dynamo``.
 
 Fix: while other threads exist, the callback such an entry gets is a C function, ``DEAD.append`` (a
-list's bound method: called with the dead weakref, it appends it; no bytecode, no tuple, nothing that could
+deque's bound method: called with the dead weakref, it appends it; no bytecode, no tuple, nothing that could
 start a garbage collection), so the GIL is never handed over under torch's mutex. The weakref is a ``_Ref``
 that knows its owner and the id. What upstream's callback did (``_remove_id(idx)``: drop the entry, and for
 ``CleanupManager`` run its cleanup hooks; ``Tracker``: forget the id) is done by the next call of any method
@@ -40,6 +40,7 @@ unlocking (move the list out under the mutex).
 
 from __future__ import annotations
 
+import collections
 import functools
 import sys
 import types
@@ -52,11 +53,14 @@ from torch_threadsafe_compile.registry import SPECS
 
 SPEC = SPECS["deferred_code_callbacks"]
 
-# The dead weakrefs whose callbacks are still to run, of every owner. Its bound ``append`` is the callback.
-DEAD: list[Any] = []
+# The dead weakrefs whose callbacks are still to run, of every owner, in the order their keys died. Its
+# bound ``append`` is the callback (C code; ``popleft`` takes them out, atomically).
+DEAD: collections.deque[Any] = collections.deque()
+# A Tracker keeps no id -> weakref map of its own (its ``seen`` is a list): its deferred entries', by id.
+TRACKER_REFS = "_ttc_refs_by_id"
 _stats = {"deferred": 0, "run": 0}
 _DICT_METHODS = ("__getitem__", "get", "__contains__", "clear")
-_TRACKER_METHODS = ("__contains__", "clear")
+_TRACKER_METHODS = ("__contains__",)
 
 
 class _Ref(weakref.ref):  # type: ignore[type-arg]
@@ -86,12 +90,12 @@ def _unraisable(exc: BaseException, ref: Any) -> None:
 
 
 def drain() -> None:
-    """Run every deferred callback. Each dead weakref is taken with ``list.pop`` (atomic), so two threads
+    """Run every deferred callback. Each dead weakref is taken with ``deque.popleft`` (atomic), so two threads
     never run one twice; a callback that raises is reported (``sys.unraisablehook``), never raised into the
     caller, as for a weakref callback."""
     while DEAD:
         try:
-            ref = DEAD.pop()
+            ref = DEAD.popleft()
         except IndexError:  # another thread took the last one
             return
         try:
@@ -112,12 +116,20 @@ def _run_dict_entry(ref: _Ref) -> bool:
 
 
 def _run_tracker_entry(ref: _Ref) -> bool:
-    """Upstream's ``lambda _: self.seen_ids.remove(idx)`` (its ``add`` drains first, so the id is still ours)."""
-    seen = ref.owner.seen_ids
-    if ref.idx not in seen:
+    """Upstream's ``lambda _: self.seen_ids.remove(idx)``, when ``ref`` is still the tracker's for the id."""
+    refs = ref.owner.__dict__.get(TRACKER_REFS, {})
+    if refs.get(ref.idx) is not ref:
         return False
-    seen.discard(ref.idx)
+    del refs[ref.idx]
+    ref.owner.seen_ids.discard(ref.idx)
     return True
+
+
+def _stale(ref: Any, key: Any) -> bool:
+    """Whether ``ref`` (the weakref held for ``key``'s id) is for another object: one that died at this address
+    and whose deferred callback has not run yet (another thread may hold it between ``popleft`` and running
+    it). Upstream's callback runs before the address can be reused, so it never meets this."""
+    return ref is None or ref() is not key
 
 
 def _make_dict_setitem(original: Any) -> Any:
@@ -128,7 +140,7 @@ def _make_dict_setitem(original: Any) -> Any:
             original(self, key, value)
             return
         idx = id(key)
-        if idx not in self.refs:
+        if _stale(self.refs.get(idx), key):  # upstream: `if idx not in self.refs`
             self.refs[idx] = _Ref(key, self, idx, _run_dict_entry)
             _stats["deferred"] += 1
         self.values[idx] = value
@@ -144,12 +156,29 @@ def _make_tracker_add(original: Any) -> Any:
             original(self, strong_obj)
             return
         idx = id(strong_obj)
-        if idx not in self.seen_ids:
-            self.seen.append(_Ref(strong_obj, self, idx, _run_tracker_entry))
+        refs = self.__dict__.setdefault(TRACKER_REFS, {})
+        # Upstream: `if idx not in self.seen_ids`. An id seen through upstream's own callback (no entry in
+        # `refs`) is live: that callback runs before the address can be reused.
+        if idx not in self.seen_ids or (idx in refs and _stale(refs[idx], strong_obj)):
+            ref = _Ref(strong_obj, self, idx, _run_tracker_entry)
+            refs[idx] = ref
+            self.seen.append(ref)
             self.seen_ids.add(idx)
             _stats["deferred"] += 1
 
     return _transparent(add, original)
+
+
+def _make_tracker_clear(original: Any) -> Any:
+    def clear(self: Any) -> None:
+        if DEAD:
+            drain()
+        refs = self.__dict__.get(TRACKER_REFS)
+        if refs is not None:
+            refs.clear()
+        original(self)
+
+    return _transparent(clear, original)
 
 
 def _make_drained(original: Any) -> Any:
@@ -181,7 +210,7 @@ def _names(func: Any) -> set[str]:
 
 def _tracker_shape_ok(tracker: Any) -> bool:
     return ({"ref", "seen", "seen_ids"} <= _names(tracker.__dict__.get("add"))
-            and all(callable(tracker.__dict__.get(n)) for n in _TRACKER_METHODS))
+            and all(callable(tracker.__dict__.get(n)) for n in (*_TRACKER_METHODS, "clear")))
 
 
 def check() -> str | None:
@@ -206,6 +235,7 @@ def apply(changes: Changes) -> dict[str, Any]:
     tracker_done = tracker is not None and _tracker_shape_ok(tracker)
     if tracker is not None and tracker_done:
         changes.setattr(tracker, "add", _make_tracker_add(tracker.__dict__["add"]))
+        changes.setattr(tracker, "clear", _make_tracker_clear(tracker.__dict__["clear"]))
         for name in _TRACKER_METHODS:
             changes.setattr(tracker, name, _make_drained(tracker.__dict__[name]))
     changes.on_revert(drain)  # entries made meanwhile keep their deferred callbacks: run what is pending
@@ -217,12 +247,13 @@ def verify() -> None:
     assert ewkd is not None
     if getattr(ewkd.__dict__["__setitem__"], "__wrapped__", None) is None:
         raise AssertionError("ExactWeakKeyDictionary.__setitem__ is not replaced")
-    # The callback must be C code: a list's bound append, no Python function in between.
+    # The callback must be C code: a deque's bound append, no Python function in between.
     if not isinstance(DEAD.append, types.BuiltinMethodType):
         raise AssertionError("the deferred callback is not a C function")
     key = type("_Probe", (), {})()
     owner = types.SimpleNamespace(seen_ids={id(key)})
     ref = _Ref(key, owner, id(key), _run_tracker_entry)
+    owner.__dict__[TRACKER_REFS] = {id(key): ref}
     del key
     if ref not in DEAD:
         raise AssertionError("a dead key's callback was not deferred")
