@@ -94,7 +94,8 @@ def test_h13_dynamo_weak_dictionaries_read_the_same_in_both_modes(threaded: bool
     assert off["res"]["values_left"] == 3 and off["res"]["globals_after_reset"] == [], off
     deferred = on["meta"]["stats"]["deferred"]
     if threaded:  # the entries took the deferred callback, and every one that died has run
-        assert deferred > 0 and on["meta"]["stats"]["run"] > 0 and on["meta"]["stats"]["pending"] == 0, on["meta"]
+        # ("pending" is not asserted: keys may die after the last read, as reset's own garbage does on 2.11.)
+        assert deferred > 0 and on["meta"]["stats"]["run"] > 0, on["meta"]
     else:  # upstream's entries, Python callbacks and all
         assert deferred == 0, on["meta"]
 
