@@ -16,7 +16,7 @@ CORE = [
     "tests/test_registry.py", "tests/test_startup.py", "tests/test_env.py", "tests/test_first_compile.py",
     "tests/test_do_no_harm.py", "tests/test_same_thread.py", "tests/test_robustness.py", "tests/test_ordering.py",
     "tests/test_graph_break_shapes.py", "tests/test_conformance.py", "tests/test_first_compile_waits.py",
-    "tests/test_newcomer.py",
+    "tests/test_newcomer.py", "tests/test_deferred_code_callbacks.py",
 ]
 
 # The free-threaded leg (GIL off) leaves these to the GIL legs, for its share of CI's time: the stress runs
