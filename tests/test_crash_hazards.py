@@ -44,6 +44,18 @@ def crashes_unpatched(name: str, **kwargs: object) -> dict:
     pytest.skip(f"{name}: the race did not crash unpatched torch in {TRIES} runs here (nothing to compare): {runs[-1]}")
 
 
+def hangs_unpatched(name: str, timeout: float, tries: int = 2, **kwargs: object) -> dict:
+    """A deadlock scenario with ``TTC_DISABLE=1``: it must hang (its bound ends it: ``timed_out``) within
+    ``tries`` runs, else the test is skipped (a race that did not show here: nothing to compare)."""
+    runs = []
+    for _ in range(tries):
+        res = crash_scenarios.run(name, env=_env(OFF), timeout=timeout, **kwargs)
+        runs.append(res)
+        if res.get("timed_out"):
+            return res
+    pytest.skip(f"{name}: the deadlock did not show unpatched in {tries} runs here: {runs}")
+
+
 def completes_active(name: str, runs: int = 2, **kwargs: object) -> list[dict]:
     out = []
     for _ in range(runs):
@@ -213,14 +225,8 @@ def test_h12_a_finder_under_the_import_lock_never_waits_for_a_compile() -> None:
     lock (``dynamo/test_misc.py::test_raises_importerror1`` in 4 threads). The scenario installs its own
     Python finder (``others="python"``), so the hazard does not depend on what the environment installed.
     Unpatched must hang (the bound ends it: ``timed_out``), active must complete: each within its bound."""
-    runs = []
-    for _ in range(2):  # a race: the unpatched run hung in every run measured (docs/hazards.md, H12)
-        off = crash_scenarios.run("finder_under_import_lock_deadlock", env=_env(OFF), timeout=45, others="python")
-        runs.append(off)
-        if off.get("timed_out"):
-            break
-    else:
-        pytest.skip(f"the import-lock deadlock did not show unpatched in {len(runs)} runs here: {runs}")
+    # A race: the unpatched run hung in every run measured (docs/hazards.md, H12).
+    hangs_unpatched("finder_under_import_lock_deadlock", timeout=45, others="python")
     for on in completes_active("finder_under_import_lock_deadlock", timeout=120, others="python"):
         assert on["errors"] == 0 and on["meta_path"][0] == "_PythonFinder", on
 
@@ -232,13 +238,7 @@ def test_h13_dynamo_code_callbacks_never_deadlock_with_the_traceback_free_list()
     dynamo's Python weakref callbacks hand the GIL to a thread that waits for that mutex
     (``dynamo/test_aot_autograd.py`` at 4 threads). Unpatched must hang (the bound ends it), active must complete,
     with every callback done (the dictionary holds only what is still alive)."""
-    runs = []
-    for _ in range(2):  # a race: the unpatched run hung in every run measured (docs/hazards.md, H13)
-        off = crash_scenarios.run("captured_traceback_free_deadlock", env=_env(OFF), timeout=40, callbacks="dynamo")
-        runs.append(off)
-        if off.get("timed_out"):
-            break
-    else:
-        pytest.skip(f"the traceback free-list deadlock did not show unpatched in {len(runs)} runs here: {runs}")
+    # A race: the unpatched run hung in every run measured (docs/hazards.md, H13).
+    hangs_unpatched("captured_traceback_free_deadlock", timeout=40, callbacks="dynamo")
     for on in completes_active("captured_traceback_free_deadlock", timeout=120, callbacks="dynamo"):
         assert on["tracebacks"] > 1000 and on["left"] == 0, on
