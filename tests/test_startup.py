@@ -34,7 +34,7 @@ def _fake_torch(root: Path, version: str, files: dict[str, str]) -> Path:
 STATUS = "import json, torch_threadsafe_compile as t; print('STATUS ' + json.dumps(t.status()))"
 # Patches that apply when torch._dynamo is imported and read its submodules: left out where a fake torch
 # has an empty ``_dynamo`` (only for the patches of ``torch.compiler``'s flags, which apply there).
-NEEDS_REAL_DYNAMO = "guard_invalidation,code_reset"
+NEEDS_REAL_DYNAMO = "guard_invalidation,code_reset,deferred_code_callbacks"
 
 
 def _status(p) -> dict:  # noqa: ANN001

@@ -48,7 +48,7 @@ import weakref
 from typing import Any, Callable
 
 from torch_threadsafe_compile._journal import Changes
-from torch_threadsafe_compile._torch import loaded, program_threads_started
+from torch_threadsafe_compile._torch import program_threads_started
 from torch_threadsafe_compile.registry import SPECS
 
 SPEC = SPECS["deferred_code_callbacks"]
@@ -199,7 +199,7 @@ def _transparent(wrapper: Any, original: Any) -> Any:
 
 
 def _targets() -> tuple[type | None, type | None]:
-    ewkd = getattr(loaded("torch._dynamo.utils"), "ExactWeakKeyDictionary", None)
+    ewkd = getattr(sys.modules.get("torch._dynamo.utils"), "ExactWeakKeyDictionary", None)
     tracker = getattr(sys.modules.get("torch._dynamo.convert_frame"), "Tracker", None)
     return ewkd, tracker
 
