@@ -66,7 +66,7 @@ def test_package_modules_locks_survive_a_fork() -> None:
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # How a hazard test runs the unpatched side (TTC_DISABLE=1) beside the active one: tests/test_hazards.py's
 # pair()/unpatched_until_shown(), the crash tests' crashes_unpatched(), or an explicit OFF/"1" environment.
-BOTH_MODES = re.compile(r"\bpair\(|unpatched_until_shown|crashes_unpatched|_stress\(|\bOFF\b|TTC_DISABLE|_mechanism\("
+BOTH_MODES = re.compile(r"\bpair\(|unpatched_until_shown|crashes_unpatched|hangs_unpatched|_stress\(|\bOFF\b|TTC_DISABLE|_mechanism\("
                         r"|GIL_OFF|_bench_rows\(|\bunpatched\(")
 
 

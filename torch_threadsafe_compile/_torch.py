@@ -202,6 +202,12 @@ def program_threads_started() -> bool:
     return any(t is not main and not isinstance(t, dummy) and t.is_alive() and not _helper_thread(t) for t in threads)
 
 
+def program_threads_functions() -> tuple[Callable[..., Any], ...]:
+    """:func:`program_threads_started` and the functions it calls, for a patch that calls it inside dynamo's
+    frame callback and must mark their frames "run as it is" (``skip_code``)."""
+    return (program_threads_started, _helper_thread, _compile_pool_worker, _made_compile_pool)
+
+
 # -- torch.compiler's flags outside their module ----------------------------------------------------------
 
 def compiler_flag_users(template: Callable[..., Any]) -> list[tuple[types.FunctionType, Callable[..., Any]]] | None:

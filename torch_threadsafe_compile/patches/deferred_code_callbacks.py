@@ -48,7 +48,7 @@ import weakref
 from typing import Any, Callable
 
 from torch_threadsafe_compile._journal import Changes
-from torch_threadsafe_compile._torch import program_threads_started
+from torch_threadsafe_compile._torch import program_threads_functions, program_threads_started, skip_code
 from torch_threadsafe_compile.registry import SPECS
 
 SPEC = SPECS["deferred_code_callbacks"]
@@ -224,22 +224,50 @@ def check() -> str | None:
     return None
 
 
+def _with_nested(codes: list[types.CodeType]) -> list[types.CodeType]:
+    """``codes`` and every code object nested in them (generator expressions, inner functions)."""
+    out, todo = [], list(codes)
+    while todo:
+        code = todo.pop()
+        out.append(code)
+        todo.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
+    return out
+
+
+def _hide_from_dynamo(wrappers: list[Any]) -> bool:
+    """Dynamo's own methods live in its files, whose frames its callback never compiles. Ours run in their
+    place, inside dynamo's frame callback, where a frame of a file dynamo does not skip is one more frame to
+    compile (measured: greenlets switching inside compiled calls, gevent patched after torch, got
+    ``cannot release un-acquired lock`` from a compile re-entered at ``code in output_codes``). So every
+    frame of ours on those paths is marked "run as it is" (``skip_code``), what the helpers they call
+    included."""
+    helpers = [drain, _run_dict_entry, _run_tracker_entry, _stale, _unraisable, _Ref.__new__, _Ref.__init__,
+               *program_threads_functions()]
+    codes = _with_nested([f.__code__ for f in (*wrappers, *helpers)])
+    return all([skip_code(code) for code in codes])  # noqa: C419 - every one of them, no short-circuit
+
+
 def apply(changes: Changes) -> dict[str, Any]:
     ewkd, tracker = _targets()
     assert ewkd is not None
-    changes.setattr(ewkd, "__setitem__", _make_dict_setitem(ewkd.__dict__["__setitem__"]))
+    wrappers = [_make_dict_setitem(ewkd.__dict__["__setitem__"])]
+    changes.setattr(ewkd, "__setitem__", wrappers[-1])
     methods = [n for n in _DICT_METHODS if callable(ewkd.__dict__.get(n))]
     for name in methods:
-        changes.setattr(ewkd, name, _make_drained(ewkd.__dict__[name]))
+        wrappers.append(_make_drained(ewkd.__dict__[name]))
+        changes.setattr(ewkd, name, wrappers[-1])
     # Dynamo's Tracker (input_codes / output_codes) keeps the same kind of callback on the same code objects.
     tracker_done = tracker is not None and _tracker_shape_ok(tracker)
     if tracker is not None and tracker_done:
-        changes.setattr(tracker, "add", _make_tracker_add(tracker.__dict__["add"]))
-        changes.setattr(tracker, "clear", _make_tracker_clear(tracker.__dict__["clear"]))
+        wrappers += [_make_tracker_add(tracker.__dict__["add"]), _make_tracker_clear(tracker.__dict__["clear"])]
+        changes.setattr(tracker, "add", wrappers[-2])
+        changes.setattr(tracker, "clear", wrappers[-1])
         for name in _TRACKER_METHODS:
-            changes.setattr(tracker, name, _make_drained(tracker.__dict__[name]))
+            wrappers.append(_make_drained(tracker.__dict__[name]))
+            changes.setattr(tracker, name, wrappers[-1])
     changes.on_revert(drain)  # entries made meanwhile keep their deferred callbacks: run what is pending
-    return {"dict_methods": ["__setitem__", *methods], "tracker": tracker_done}
+    hidden = _hide_from_dynamo(wrappers)
+    return {"dict_methods": ["__setitem__", *methods], "tracker": tracker_done, "hidden_from_dynamo": hidden}
 
 
 def verify() -> None:
