@@ -21,11 +21,12 @@ CORE = [
 
 # The free-threaded leg (GIL off) leaves these to the GIL legs, for its share of CI's time: the stress runs
 # (many fresh interpreters), the crash hazards (unpatched runs that crash by design) and the CUDA-graph
-# random-number tests (CUDA graphs: no GPU in CI), and the package's start-up/ordering/robustness tests,
-# which do not depend on the GIL.
+# random-number tests (CUDA graphs: no GPU in CI), the package's start-up/ordering/robustness tests,
+# which do not depend on the GIL, and H13's reads (its deadlock is a hand-over of the GIL).
 FT_LEFT_OUT = {
     "tests/test_stress.py", "tests/test_crash_hazards.py", "tests/test_cudagraph_rng.py",
     "tests/test_robustness.py", "tests/test_ordering.py", "tests/test_graph_break_shapes.py",
+    "tests/test_deferred_code_callbacks.py",
 }
 
 
