@@ -275,6 +275,46 @@ def test_reset_does_not_stall_a_pipeline() -> None:
     assert res["seconds"] < 30, res  # a bound far from the 2 s it takes, far below the 120 s stall
 
 
+def test_every_gated_call_is_counted_on_its_threads_list_and_taken_off() -> None:
+    """A reset counts other threads' calls in progress from their lists (``_calls.all_stacks``), never by
+    reading their frames (a frame chain read while its thread returns held a tuple once on CPython 3.11: the
+    CI run of ``reset_pipeline``). So the lists must be exact: a call and its graph-break continuation are
+    on the list while they run, and nothing is left after a return, an exception or a retry; a thread's
+    list is registered on its first call and leaves with the thread."""
+    res = _run("""
+from torch_threadsafe_compile.patches.first_compile import _calls
+depth = torch._dynamo.disable(lambda: len(_calls.stack()))
+seen = []
+def f(x):
+    y = x + 1
+    torch._dynamo.graph_break()
+    seen.append(depth())
+    if x.sum() > 100:
+        raise ValueError("big")
+    return y
+cf = torch.compile(f, backend="eager")
+out = {"value": cf(torch.ones(2)).tolist(), "after_return": len(_calls.stack())}
+try:
+    cf(torch.full((2,), 100.0))
+except ValueError:
+    out["after_error"] = len(_calls.stack())
+def worker():
+    cf(torch.ones(2))
+    out["thread_after"] = len(_calls.stack())
+    out["registered"] = any(ident == threading.get_ident() for ident, _ in _calls.all_stacks.values())
+t = threading.Thread(target=worker)
+t.start(); t.join(60)
+out["entries_left"] = [ident == threading.get_ident() for ident, _ in _calls.all_stacks.values()]
+out["seen"] = seen
+print("RESULT " + json.dumps(out))
+""")
+    assert res["value"] == [2.0, 2.0], res
+    assert res["seen"] == [2, 2, 2], res  # the gate and the continuation's gate, in every call
+    assert res["after_return"] == res["after_error"] == res["thread_after"] == 0, res
+    assert res["registered"] is True, res
+    assert res["entries_left"] == [True], res  # the ended thread's entry went with its local storage
+
+
 GATE_SIGNATURES = r"""
 import inspect, json, torch
 import torch_threadsafe_compile as ttc

@@ -3,8 +3,8 @@
 torch itself is not greenlet-safe (two greenlets compiling at once in one thread mix their fake-tensor modes,
 or crash: measured unpatched), but programs that compile in one greenlet and call the compiled functions
 from many work upstream, also when a greenlet switches inside a compiled call (I/O after a graph break).
-The gate's bookkeeping keeps per-thread state (``first_compile/_flights``; on free-threaded builds the list
-of gated calls, ``first_compile/_calls``); greenlets of one thread sharing it would mix their calls'.
+The gate's bookkeeping keeps per-thread state (``first_compile/_flights``, and the list of gated calls in
+progress, ``first_compile/_calls``); greenlets of one thread sharing it would mix their calls'.
 (A gated call's own state is found from the greenlet's frames, which are its own.)
 
 * gevent patched before torch was imported: ``threading.local`` is gevent's greenlet-local when the gate's

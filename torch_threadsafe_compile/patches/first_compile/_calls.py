@@ -4,15 +4,17 @@ A gated call is a frame of one of the gates (the wrapper around what ``torch.com
 gate in front of a graph-break continuation) on the calling thread's Python stack. The frame callback,
 which runs in that thread, finds the call it works for by walking back from its caller to the nearest
 gate frame; the call's state (:class:`GateCall`: retries, flight) lives in :data:`live`, keyed by that
-frame, from the callback's first look until the gate returns. A warm call therefore stores nothing: the
-gate tests that :data:`live` is empty on its way out, and that is all (docs/performance.md).
+frame, from the callback's first look until the gate returns. A warm call therefore keeps no state of its
+own: the gate tests that :data:`live` is empty on its way out (docs/performance.md).
 
-Only ``torch._dynamo.reset()`` needs to see *other* threads' gated calls (``_reset``). With the GIL it walks
-their frames (``sys._current_frames()``, the way ``faulthandler`` and ``traceback`` tools do). On a
-free-threaded build another thread's frames cannot be walked safely while it runs, so there each gate also
-pushes onto a per-thread list of calls in progress (:data:`COUNTED`), which the reset reads instead.
-(A greenlet suspended inside a gated call is not on its thread's stack, so a reset does not wait for it;
-it switched away in Python code, not inside dynamo's lookup, and its frame keeps the code it runs alive.)
+Only ``torch._dynamo.reset()`` needs to see *other* threads' gated calls (``_reset``). It never walks their
+frames: another thread runs between the bytecodes of such a walk (the GIL switches every few milliseconds,
+and on free-threaded builds nothing stops it at all), and a frame chain read while its thread returns is not
+safe on CPython 3.11 -- a reset once read a tuple where a frame was (the CI run of ``reset_pipeline``), the
+class of crashes sampling profilers met there (sentry-python #6119, dd-trace-py #13567). So each gate
+pushes onto a per-thread list of calls in progress, which the reset reads (:data:`all_stacks`); about
+XX ns of a warm call (docs/performance.md). Under gevent the lists are per greenlet (``_gevent``), and a
+reset waits for a greenlet suspended inside a gated call as for a thread (its waits yield to gevent's hub).
 """
 
 from __future__ import annotations
@@ -22,15 +24,12 @@ import threading
 import types
 from typing import Any
 
-from torch_threadsafe_compile import _env, _forksafe
+from torch_threadsafe_compile import _forksafe
 
 # A retry is only raised when an entry whose guards (and backend) pass is in the cache, so retries end as
 # soon as dynamo's lookup sees it; the bound is a safety net for an entry that passes here but that the
 # C lookup would still reject. Spurious misses (see the package docstring) rarely repeat more than twice.
 MAX_RETRIES = 16
-
-# Free-threaded build: the reset cannot walk other threads' frames, so gates count their calls per thread.
-COUNTED = _env.free_threaded_build()
 
 
 class Retry(BaseException):
@@ -138,40 +137,34 @@ def end(gate_frame: types.FrameType) -> GateCall | None:
     return live.pop(gate_frame, None)
 
 
-def others_inside(me: types.FrameType, waiting: Any) -> set[int]:
-    """The threads other than the one running ``me`` that are inside a gated call (gate frames listed in
-    ``waiting``, which wait at the reset barrier before their call, do not count). GIL builds only: other
-    threads' frames do not change while this walks them."""
-    inside: set[int] = set()
-    for ident, top in sys._current_frames().items():
-        f: types.FrameType | None = top
-        mine = False
-        found = False
-        while f is not None:
-            if f is me:
-                mine = True
-                break
-            if not found and is_gate(f.f_code) and f not in waiting:
-                found = True
-            f = f.f_back
-        if found and not mine:
-            inside.add(ident)
-    return inside
+# Every thread's list of gated calls in progress: id of the list -> (thread ident, list). A thread registers
+# on its first gated call, and its entry goes when its local storage goes (the thread or greenlet ended).
+# Single dict operations only, with and without the GIL: no lock, and so none to hold when a registration
+# runs Python code (below).
+all_stacks: dict[int, tuple[int, list[Any]]] = {}
 
 
-# Free-threaded builds (COUNTED): every thread's list of gated calls in progress, by thread ident. A thread
-# registers on its first gated call; entries of finished threads are pruned by the reset.
-all_stacks: dict[int, list[Any]] = {}
+class _Registration:
+    """Kept in the thread's local storage beside its list: freed with it, it takes the list's entry out."""
 
-# Guards all_stacks' registrations and prunings (without the GIL a check-then-delete could drop the entry of
-# a new thread that reuses a dead thread's ident). A leaf lock: nothing is taken under it.
-stacks_lock = threading.Lock()
+    __slots__ = ("key",)
+
+    def __init__(self, key: int) -> None:
+        self.key = key
+
+    def __del__(self, _pop: Any = all_stacks.pop) -> None:  # bound now: module globals may be gone at exit
+        _pop(self.key, None)
 
 
 def _stacks_init(self: Any) -> None:
-    self.stack = []
-    with stacks_lock:
-        all_stacks[threading.get_ident()] = self.stack
+    # Under gevent ``threading.get_ident`` is Python code, and a gate can run under the frame callback that
+    # another greenlet's compiled call left set on the OS thread: dynamo then compiles that function, which
+    # can switch greenlets. (A lock held here once stayed held across such a switch: the next greenlet
+    # waited for it forever.)
+    stack: list[Any] = []
+    self.stack = stack
+    self.registration = _Registration(id(stack))
+    all_stacks[id(stack)] = (threading.get_ident(), stack)
 
 
 def _new_stacks() -> Any:
@@ -180,7 +173,7 @@ def _new_stacks() -> Any:
     return type("_Stacks", (threading.local,), {"__init__": _stacks_init})()
 
 
-# ``stacks.stack``: this thread's list of gated calls in progress (free-threaded builds only).
+# ``stacks.stack``: this thread's list of gated calls in progress.
 stacks = _new_stacks()
 
 
@@ -193,12 +186,10 @@ def rebind_locals() -> None:
 @_forksafe.in_child
 def _after_fork() -> None:
     """In a forked child only the forking thread exists: its calls go on, the others' state is dropped."""
-    global stacks_lock
-    stacks_lock = threading.Lock()  # another thread of the parent may have held it
     me = threading.get_ident()
-    for ident in list(all_stacks):
+    for key, (ident, _) in list(all_stacks.items()):
         if ident != me:
-            all_stacks.pop(ident, None)
+            all_stacks.pop(key, None)
     for frame, call in list(live.items()):
         if call.thread != me:
             live.pop(frame, None)
@@ -211,4 +202,5 @@ def stack() -> list[Any]:
 
 # Code objects that may run under dynamo's active frame callback (a gate called from compiled code):
 # dynamo must run them as they are.
-HELPER_CODES = (_stacks_init.__code__, end.__code__, is_gate.__code__, is_main_gate.__code__)
+HELPER_CODES = (_stacks_init.__code__, _Registration.__init__.__code__, _Registration.__del__.__code__, end.__code__,
+                is_gate.__code__, is_main_gate.__code__)

@@ -81,16 +81,15 @@ def _gate_factory(compile_wrapper: Callable[..., Any], key: types.CodeType | Non
     # names, which must not shadow them (``key`` is flex_attention's).
     ttc_wrapper, ttc_key, ttc_target = compile_wrapper, key, target
     ttc_flights, ttc_await, ttc_land = _flights.flights, _flights.await_others, _flights.land
-    ttc_live, ttc_end, ttc_barrier, ttc_counted, ttc_tls = _calls.live, _calls.end, _reset.barrier, _calls.COUNTED, _calls.stacks
+    ttc_live, ttc_end, ttc_barrier, ttc_tls = _calls.live, _calls.end, _reset.barrier, _calls.stacks
 
     def ttc_gate(*args: Any, **kwargs: Any) -> Any:
-        # Free-threaded builds only: count the call for the reset before looking at its barrier (_reset).
-        ttc_inside = ttc_tls.stack if ttc_counted else None
-        if ttc_inside is not None:
-            ttc_inside.append(ttc_target)
-        if ttc_barrier.closed:  # a reset is under way: a new call waits for it (bounded)
-            ttc_barrier.enter(ttc_inside, ttc_target)
+        # Counted for a reset (``_calls.all_stacks``) before this call looks at the reset's barrier (_reset).
+        ttc_inside = ttc_tls.stack
+        ttc_inside.append(ttc_target)
         try:
+            if ttc_barrier.closed:  # a reset is under way: a new call waits for it (bounded)
+                ttc_barrier.enter(ttc_inside, ttc_target)
             while True:
                 try:
                     return ttc_wrapper(*args, **kwargs)
@@ -101,8 +100,7 @@ def _gate_factory(compile_wrapper: Callable[..., Any], key: types.CodeType | Non
                     if ttc_flights and ttc_key is not None:
                         ttc_await(ttc_key)
         finally:
-            if ttc_inside is not None:
-                ttc_inside.pop()
+            ttc_inside.pop()
             if ttc_live:  # the callback made a state for some call: this one's leaves, and its flight lands
                 ttc_call = ttc_end(sys._getframe())
                 if ttc_call is not None and ttc_call.flight is not None and ttc_key is not None:
@@ -205,12 +203,11 @@ def _transparent(gate: Callable[..., Any], compile_wrapper: Callable[..., Any]) 
 def make_resume_gate(resume_fn: Callable[..., Any], wraps: bool = True) -> Callable[..., Any]:
     """A gate in front of a graph-break continuation: retried like a gated call, flown as part of the
     enclosing ``torch.compile`` call."""
-    live, end, counted, tls = _calls.live, _calls.end, _calls.COUNTED, _calls.stacks
+    live, end, tls = _calls.live, _calls.end, _calls.stacks
 
     def ttc_resume_gate(*args: Any, **kwargs: Any) -> Any:
-        inside = tls.stack if counted else None
-        if inside is not None:
-            inside.append(None)
+        inside = tls.stack
+        inside.append(None)
         try:
             while True:
                 try:
@@ -218,8 +215,7 @@ def make_resume_gate(resume_fn: Callable[..., Any], wraps: bool = True) -> Calla
                 except Retry:
                     pass
         finally:
-            if inside is not None:
-                inside.pop()
+            inside.pop()
             if live:
                 end(sys._getframe())
 

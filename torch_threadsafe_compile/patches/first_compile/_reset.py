@@ -19,11 +19,10 @@ done would be a cycle: reset → consumer → producer → reset (measured befor
 anyway"). After ``GATE_WAIT_S`` a call goes in, and the reset keeps waiting until a moment when nobody is
 inside. Only once the reset has seen that moment (``freeing``) does every new call wait until it is done:
 that part depends on no other thread. The two sides publish first and look second: a call is visible from
-the moment its gate frame exists (on free-threaded builds: its entry is pushed), and one that waited stops
-being listed as waiting before it reads ``freeing``; the reset sets ``freeing``, then looks at the other
-threads' frames (or lists: ``_calls``). So no call slips into dynamo's lookup while entries are freed. The
-whole wait is bounded (``RESET_WAIT_MAX_S``: a call that never returns; then the reset goes ahead, with a
-log line).
+the moment its gate pushed its entry on its thread's list (``_calls``), and one that waited pushes its entry
+again before it reads ``freeing``; the reset sets ``freeing``, then reads the other threads' lists. So no
+call slips into dynamo's lookup while entries are freed. The whole wait is bounded (``RESET_WAIT_MAX_S``: a
+call that never returns; then the reset goes ahead, with a log line).
 
 A reset that did not see that moment must not free what the others use (H11). A strict
 ``torch.export.export`` resets dynamo while it holds ``compile_lock`` (torch 2.13's graph capture for
@@ -43,7 +42,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import sys
 import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable
@@ -77,31 +75,22 @@ class ResetBarrier:
         self._one_at_a_time = threading.RLock()
         self._depth = 0
         self._drained = True  # whether the reset under way saw nobody inside (set at depth 1)
-        self._waiting: set[Any] = set()  # gate frames waiting in enter() (GIL builds)
 
     def after_fork(self) -> None:
         """In a forked child: no reset is under way there (the resetting thread, if it was another one,
         does not exist in the child), and its locks may be held by threads that do not exist."""
         self._start()
 
-    def enter(self, inside: list[Any] | None, target: Any) -> None:
+    def enter(self, inside: list[Any], target: Any) -> None:
         """Called by a gate, its call not begun, while a reset is under way (``inside``: the thread's list
-        of counted calls on free-threaded builds, with this call's entry on top; None with the GIL). A call
-        nested in another gated call of its thread goes on (the reset waits for the outer one); the
-        outermost waits as the module docstring says and returns when it may go on."""
-        gate = sys._getframe(1)
-        if inside is not None:
-            if len(inside) > 1:
-                return
-        elif _nested(gate.f_back):
+        of gated calls, with this call's entry on top). A call nested in another gated call of its thread
+        goes on (the reset waits for the outer one); the outermost waits as the module docstring says and
+        returns when it may go on."""
+        if len(inside) > 1:
             return
         t0 = time.monotonic()
         while True:
-            # Not counted as inside while it waits: the list entry is off, or the frame is listed as waiting.
-            if inside is not None:
-                inside.pop()
-            else:
-                self._waiting.add(gate)
+            inside.pop()  # not counted as inside while it waits
             try:
                 with self._cond:
                     while self.closed:
@@ -111,29 +100,15 @@ class ResetBarrier:
                         self._cond.wait(left if left > 0 else 1.0)
             finally:
                 # Counted again (publish), then look at ``freeing`` (see the module docstring).
-                if inside is not None:
-                    inside.append(target)
-                else:
-                    self._waiting.discard(gate)
+                inside.append(target)
             if not self.freeing:
                 return
 
     def _others_inside(self, me: int) -> set[int]:
-        """The other threads inside a gated call now."""
-        if not _calls.COUNTED:
-            return _calls.others_inside(sys._getframe(), self._waiting)
-        with _calls.stacks_lock:
-            entries = list(_calls.all_stacks.items())
-        alive = {t.ident for t in threading.enumerate()}  # after the copy: a thread registered since is alive
-        inside = set()
-        for ident, stack in entries:
-            if ident not in alive:
-                with _calls.stacks_lock:
-                    if _calls.all_stacks.get(ident) is stack:  # not a new thread that reuses the ident
-                        del _calls.all_stacks[ident]
-            elif ident != me and stack:
-                inside.add(ident)
-        return inside
+        """The other threads inside a gated call now: those whose list is not empty. Every thread counts,
+        also one that ``threading`` does not list (started by ``_thread`` or native code); a list stays
+        non-empty only while its thread is inside a call (each gate takes its entry back in ``finally``)."""
+        return {ident for ident, stack in list(_calls.all_stacks.values()) if stack and ident != me}
 
     def run(self, reset: Callable[..., Any], args: Any, kwargs: Any, after: Callable[[], None],
             waiters: Capability) -> Any:
@@ -201,21 +176,12 @@ def _blocked_by_me(inside: set[int], waited: float, waiters: Capability) -> bool
     return inside <= waiting
 
 
-def _nested(frame: Any) -> bool:
-    """Whether ``frame`` or one below it on its thread is a gate's (GIL builds: this call is nested)."""
-    while frame is not None:
-        if _calls.is_gate(frame.f_code):
-            return True
-        frame = frame.f_back
-    return False
-
-
 barrier = ResetBarrier()
 _forksafe.in_child(barrier.after_fork)
 
 # Code objects that may run under dynamo's active frame callback (a gate at depth 0 inside compiled code
 # of a function compiled before install()).
-HELPER_CODES = (ResetBarrier.enter.__code__, _nested.__code__)
+HELPER_CODES = (ResetBarrier.enter.__code__,)
 
 
 def wrap_reset(original: Callable[..., Any], barrier: ResetBarrier, after: Callable[[], None],
