@@ -13,7 +13,7 @@ and on free-threaded builds nothing stops it at all), and a frame chain read whi
 safe on CPython 3.11 -- a reset once read a tuple where a frame was (the CI run of ``reset_pipeline``), the
 class of crashes sampling profilers met there (sentry-python #6119, dd-trace-py #13567). So each gate
 pushes onto a per-thread list of calls in progress, which the reset reads (:data:`all_stacks`); about
-XX ns of a warm call (docs/performance.md). Under gevent the lists are per greenlet (``_gevent``), and a
+about 60 ns of a warm call (docs/performance.md). Under gevent the lists are per greenlet (``_gevent``), and a
 reset waits for a greenlet suspended inside a gated call as for a thread (its waits yield to gevent's hub).
 """
 
