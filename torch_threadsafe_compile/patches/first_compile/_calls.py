@@ -19,10 +19,11 @@ reset waits for a greenlet suspended inside a gated call as for a thread (its wa
 
 from __future__ import annotations
 
+import _thread
 import sys
 import threading
 import types
-from typing import Any
+from typing import Any, Callable
 
 from torch_threadsafe_compile import _forksafe
 
@@ -137,7 +138,7 @@ def end(gate_frame: types.FrameType) -> GateCall | None:
     return live.pop(gate_frame, None)
 
 
-# Every thread's list of gated calls in progress: id of the list -> (thread ident, list). A thread registers
+# Every thread's list of gated calls in progress: id of the list -> (OS thread ident, list). A thread registers
 # on its first gated call, and its entry goes when its local storage goes (the thread or greenlet ended).
 # Single dict operations only, with and without the GIL: no lock, and so none to hold when a registration
 # runs Python code (below).
@@ -156,15 +157,30 @@ class _Registration:
         _pop(self.key, None)
 
 
+def _c_get_ident() -> Callable[[], int]:
+    """The OS thread's ident, in C. gevent replaces ``_thread.get_ident`` with Python code (a greenlet's id),
+    and a gate can run under the frame callback that another greenlet's compiled call left set on the OS
+    thread: dynamo would compile that function, and the compile can switch greenlets while it holds
+    ``compile_lock`` (measured: the gevent test's calls then released that lock unheld)."""
+    ident = _thread.get_ident
+    if isinstance(ident, types.BuiltinFunctionType):
+        return ident
+    monkey = sys.modules.get("gevent.monkey")
+    original = getattr(monkey, "get_original", None)
+    ident = original("_thread", "get_ident") if original else ident
+    return ident if isinstance(ident, types.BuiltinFunctionType) else threading.get_ident
+
+
+_os_ident = _c_get_ident()
+
+
 def _stacks_init(self: Any) -> None:
-    # Under gevent ``threading.get_ident`` is Python code, and a gate can run under the frame callback that
-    # another greenlet's compiled call left set on the OS thread: dynamo then compiles that function, which
-    # can switch greenlets. (A lock held here once stayed held across such a switch: the next greenlet
-    # waited for it forever.)
+    # No Python call and no lock here (see _c_get_ident: a lock held here once stayed held across a
+    # greenlet switch, and the next greenlet waited for it forever).
     stack: list[Any] = []
     self.stack = stack
     self.registration = _Registration(id(stack))
-    all_stacks[id(stack)] = (threading.get_ident(), stack)
+    all_stacks[id(stack)] = (_os_ident(), stack)
 
 
 def _new_stacks() -> Any:
@@ -186,10 +202,11 @@ def rebind_locals() -> None:
 @_forksafe.in_child
 def _after_fork() -> None:
     """In a forked child only the forking thread exists: its calls go on, the others' state is dropped."""
-    me = threading.get_ident()
+    me = _os_ident()
     for key, (ident, _) in list(all_stacks.items()):
         if ident != me:
             all_stacks.pop(key, None)
+    me = threading.get_ident()
     for frame, call in list(live.items()):
         if call.thread != me:
             live.pop(frame, None)
