@@ -12,9 +12,10 @@ frames: another thread runs between the bytecodes of such a walk (the GIL switch
 and on free-threaded builds nothing stops it at all), and a frame chain read while its thread returns is not
 safe on CPython 3.11 -- a reset once read a tuple where a frame was (the CI run of ``reset_pipeline``), the
 class of crashes sampling profilers met there (sentry-python #6119, dd-trace-py #13567). So each gate
-pushes onto a per-thread list of calls in progress, which the reset reads (:data:`all_stacks`); about
-about 60 ns of a warm call (docs/performance.md). Under gevent the lists are per greenlet (``_gevent``), and a
-reset waits for a greenlet suspended inside a gated call as for a thread (its waits yield to gevent's hub).
+pushes onto a per-thread list of calls in progress, which the reset reads (:data:`all_stacks`): about 60 ns
+of a warm call (docs/performance.md). Under gevent the lists are per greenlet (``_gevent``) and carry their OS
+thread's ident: a reset does not wait for the other greenlets of its own thread, which cannot be inside
+dynamo's lookup while it runs (a greenlet switches away in Python code).
 """
 
 from __future__ import annotations
