@@ -304,7 +304,13 @@ def worker():
     out["registered"] = any(ident == threading.get_ident() for ident, _ in _calls.all_stacks.values())
 t = threading.Thread(target=worker)
 t.start(); t.join(60)
-out["entries_left"] = [ident == threading.get_ident() for ident, _ in _calls.all_stacks.values()]
+import gc
+for _ in range(50):  # freed with the ended thread's local storage (allow for deferred frees: free-threaded builds)
+    gc.collect()
+    out["entries_left"] = [ident == threading.get_ident() for ident, _ in _calls.all_stacks.values()]
+    if out["entries_left"] == [True]:
+        break
+    time.sleep(0.1)
 out["seen"] = seen
 print("RESULT " + json.dumps(out))
 """)
