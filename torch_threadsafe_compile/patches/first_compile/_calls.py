@@ -172,7 +172,8 @@ def _c_get_ident() -> Callable[[], int]:
     return ident if isinstance(ident, types.BuiltinFunctionType) else threading.get_ident
 
 
-_os_ident = _c_get_ident()
+# The ident the lists carry (``all_stacks``), and that a reset compares them with.
+os_ident = _c_get_ident()
 
 
 def _stacks_init(self: Any) -> None:
@@ -181,7 +182,7 @@ def _stacks_init(self: Any) -> None:
     stack: list[Any] = []
     self.stack = stack
     self.registration = _Registration(id(stack))
-    all_stacks[id(stack)] = (_os_ident(), stack)
+    all_stacks[id(stack)] = (os_ident(), stack)
 
 
 def _new_stacks() -> Any:
@@ -203,7 +204,7 @@ def rebind_locals() -> None:
 @_forksafe.in_child
 def _after_fork() -> None:
     """In a forked child only the forking thread exists: its calls go on, the others' state is dropped."""
-    me = _os_ident()
+    me = os_ident()
     for key, (ident, _) in list(all_stacks.items()):
         if ident != me:
             all_stacks.pop(key, None)

@@ -137,7 +137,7 @@ class ResetBarrier:
         ``RESET_WAIT_MAX_S``; the reset then goes ahead softly (H11), new calls waiting until it is done."""
         with self._cond:
             self.closed = True
-        me = _calls._os_ident()  # the lists' idents: the OS thread's, under gevent too
+        me = _calls.os_ident()  # the lists' idents: the OS thread's, under gevent too
         t0 = time.monotonic()
         while True:
             inside = self._others_inside(me)
