@@ -199,13 +199,26 @@ def program_threads_started() -> bool:
     threads (HELPER_THREAD_MODULES) do not count. Reads ``threading._active`` without creating a dummy."""
     main, dummy = threading.main_thread(), threading._DummyThread  # type: ignore[attr-defined]
     threads = list(threading._active.values())  # type: ignore[attr-defined]
-    return any(t is not main and not isinstance(t, dummy) and t.is_alive() and not _helper_thread(t) for t in threads)
+    return any(t is not main and not isinstance(t, dummy) and _alive(t) and not _helper_thread(t) for t in threads)
+
+
+def _alive(t: threading.Thread) -> bool:
+    """``t.is_alive()`` without taking a lock. On CPython 3.11/3.12 ``is_alive()`` tries the thread's state lock
+    (non-blocking); under gevent that is a cooperative lock whose acquire can switch greenlets, and this runs
+    inside dynamo's frame callback, in the middle of a compile: another greenlet's compiled call then ran under
+    the compile's fake-tensor mode ("Please convert all Tensors to FakeTensors", the gevent test, once under
+    load). A thread leaves ``threading._active`` before that lock is released, so the flags suffice here.
+    3.13 reads the thread's handle, in C."""
+    stopped = getattr(t, "_is_stopped", None)
+    if stopped is None or not hasattr(t, "_tstate_lock"):
+        return t.is_alive()
+    return not stopped and t._started.is_set()  # type: ignore[attr-defined]
 
 
 def program_threads_functions() -> tuple[Callable[..., Any], ...]:
     """:func:`program_threads_started` and the functions it calls, for a patch that calls it inside dynamo's
     frame callback and must mark their frames "run as it is" (``skip_code``)."""
-    return (program_threads_started, _helper_thread, _compile_pool_worker, _made_compile_pool)
+    return (program_threads_started, _alive, _helper_thread, _compile_pool_worker, _made_compile_pool)
 
 
 # -- torch.compiler's flags outside their module ----------------------------------------------------------
