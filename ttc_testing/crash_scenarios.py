@@ -71,6 +71,47 @@ def _barrier_rounds(threads: int, rounds: int, body: Any, errors: _Errors, after
             after()
 
 
+class _Steps:
+    """Numbered steps that two threads hand each other, to run a race's calls in one chosen order."""
+
+    def __init__(self) -> None:
+        self._events: dict[int, threading.Event] = {}
+        self._lock = threading.Lock()
+
+    def _event(self, k: int) -> threading.Event:
+        with self._lock:
+            return self._events.setdefault(k, threading.Event())
+
+    def set(self, k: int) -> None:
+        self._event(k).set()
+
+    def wait(self, k: int, timeout: float = 30) -> None:
+        # Bounded: a step that never comes fails the round instead of hanging the scenario.
+        if not self._event(k).wait(timeout):
+            raise TimeoutError(f"step {k} never came")
+
+
+def _ordered_rounds(rounds: int, thread_a: Any, thread_b: Any, errors: _Errors, after: Any = None) -> None:
+    """``rounds`` rounds of two threads that run ``thread_a(steps)`` and ``thread_b(steps)`` with fresh
+    :class:`_Steps`; exceptions are counted in ``errors``; ``after()`` runs between rounds."""
+
+    def worker(fn: Any, steps: _Steps) -> None:
+        try:
+            fn(steps)
+        except Exception as e:  # counted, as in _barrier_rounds
+            errors.add(e)
+
+    for _ in range(rounds):
+        steps = _Steps()
+        ts = [threading.Thread(target=worker, args=(fn, steps)) for fn in (thread_a, thread_b)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        if after is not None:
+            after()
+
+
 def _make_instance(k: float) -> Any:
     """An instance of a class made at run time: dynamo guards its type by identity (``TYPE_MATCH`` keeps a
     ``weakref.finalize`` on the class), and the class dies only when the garbage collector finds its cycle —
@@ -443,7 +484,7 @@ def shared_log_capture_race(threads: int = 8, rounds: int = 30) -> dict[str, Any
 
 
 @scenario
-def default_dtype_restore_race(threads: int = 4, rounds: int = 300) -> dict[str, Any]:
+def default_dtype_restore_race(threads: int = 4, rounds: int = 300, ordered: int = 0) -> dict[str, Any]:
     """Not a package hazard: a test that races with itself, and the next test pays (torch 2.15's
     ``dynamo/test_guard_manager.py::test_skip_size_stride_guards_on_static_tensors`` failed at 4 threads in
     one active run of three, ``True is not false``, while its victim check passed alone). The test before it,
@@ -453,7 +494,10 @@ def default_dtype_restore_race(threads: int = 4, rounds: int = 300) -> dict[str,
     the process keeps float64, and the next test's ``torch.randn(4, 4)`` is float64 -- so its guard, built
     from that tensor, accepts the float64 input the test expects it to reject. Each round here: ``threads``
     threads (a barrier, then the helper around a GLOBAL_STATE guard check, as in the test); after the round,
-    is the default dtype still float32? Reports how many rounds leaked (then reset, for the next round)."""
+    is the default dtype still float32? Reports how many rounds leaked (then reset, for the next round).
+    ``ordered=1``: two threads run the helper in the one order that leaks, each step handed over by an event (A
+    enters, B enters and saves float64, A leaves, B leaves and restores float64), so every round leaks whatever
+    the machine's load; the random schedule's rate depends on it."""
     import torch
     from torch.testing._internal.common_utils import set_default_dtype
 
@@ -482,7 +526,22 @@ def default_dtype_restore_race(threads: int = 4, rounds: int = 300) -> dict[str,
             victim_float64 += torch.randn(4, 4).dtype == torch.float64
             torch.set_default_dtype(torch.float32)
 
-    _barrier_rounds(threads, rounds, body, errors, after=after_round)
+    if not ordered:
+        _barrier_rounds(threads, rounds, body, errors, after=after_round)
+    def thread_a(steps: _Steps) -> None:
+        with set_default_dtype(torch.double):
+            steps.set(0)
+            steps.wait(1)
+        steps.set(2)
+
+    def thread_b(steps: _Steps) -> None:
+        steps.wait(0)
+        with set_default_dtype(torch.double):
+            steps.set(1)
+            steps.wait(2)
+
+    if ordered:
+        _ordered_rounds(rounds, thread_a, thread_b, errors, after=after_round)
     return {"rounds": rounds, "leaked": leaked, "victim_float64": victim_float64, "guard_body": guard is not None,
             "errors": errors.total(), "error_kinds": errors.kinds()}
 
@@ -566,17 +625,24 @@ def guard_hook_race(threads: int = 2, rounds: int = 150) -> dict[str, Any]:
 
 
 @scenario
-def default_device_restore_race(threads: int = 4, rounds: int = 300, switch_s: float = 1e-6) -> dict[str, Any]:
+def default_device_restore_race(
+    threads: int = 4, rounds: int = 300, switch_s: float = 1e-6, ordered: int = 0
+) -> dict[str, Any]:
     """Not a package hazard: a test that races with itself (torch 2.13's
     ``dynamo/test_guard_manager.py::test_default_device_guard`` failed at 2 threads in one mode or the other at
     random). ``torch.set_default_device`` keeps its context per thread, but the device that dynamo's
     ``DEFAULT_DEVICE`` guard reads, ``torch.utils._device.CURRENT_DEVICE``, is a module global: one thread's
     ``set_default_device(None)`` ends another thread's ``"cuda"`` before that thread's guard check, and the
-    thread that restores last can put back ``"cuda"`` for the rest of the process. Each round: ``threads``
-    threads (a barrier) run the test's body. Reports the guard checks that passed where the test expects a
-    failure, and the rounds after which ``CURRENT_DEVICE`` was left set (then cleared). The body is a few
-    calls, so the GIL is handed over every ``switch_s`` seconds (``sys.setswitchinterval``) to show the window
-    within seconds; under pytest the threads' bodies overlap for longer."""
+    thread that restores last can put back ``"cuda"`` for the rest of the process. Reports the guard checks that
+    passed where the test expects a failure, and the rounds after which ``CURRENT_DEVICE`` was left set (then
+    cleared).
+
+    ``ordered=0``: each round ``threads`` threads (a barrier) run the test's body as it is, and the GIL is
+    handed over every ``switch_s`` seconds (``sys.setswitchinterval``) to show the window; how often it shows
+    depends on the machine's load (0 of 200 rounds once on a loaded 2-core machine). ``ordered=1``: two
+    threads run the same calls in the one order that fails the test, each step handed over by an event (B makes
+    its guard, A sets ``"cuda"``, B sets ``"cuda"``, A sets ``None``, B checks, B sets ``None``), so every round shows both
+    effects whatever the load: the proof that the race is real, not a rate."""
     import torch
     import torch.utils._device as device_mod
     from torch._C._dynamo import guards
@@ -585,15 +651,22 @@ def default_device_restore_race(threads: int = 4, rounds: int = 300, switch_s: f
     counts = {"wrong_checks": 0, "left_set": 0}
     lock = threading.Lock()
 
-    def body() -> None:
+    def new_guard() -> Any:
         guard = guards.DEFAULT_DEVICE(guards.RootGuardManager(), ["cpu device"], None)
         if not guard(1):
             raise AssertionError("the guard failed before the default device was set")
+        return guard
+
+    def check(guard: Any) -> None:
+        if guard(1):  # the test's assertFalse
+            with lock:
+                counts["wrong_checks"] += 1
+
+    def body() -> None:
+        guard = new_guard()
         try:
             torch.set_default_device("cuda")
-            if guard(1):  # the test's assertFalse
-                with lock:
-                    counts["wrong_checks"] += 1
+            check(guard)
         finally:
             torch.set_default_device(None)
 
@@ -602,9 +675,37 @@ def default_device_restore_race(threads: int = 4, rounds: int = 300, switch_s: f
             counts["left_set"] += 1
             device_mod.CURRENT_DEVICE = None
 
-    sys.setswitchinterval(switch_s)
-    _barrier_rounds(threads, rounds, body, errors, after=after_round)
-    return {"rounds": rounds, **counts, "errors": errors.total(), "error_kinds": errors.kinds()}
+    if not ordered:
+        sys.setswitchinterval(switch_s)
+        _barrier_rounds(threads, rounds, body, errors, after=after_round)
+        return {"rounds": rounds, **counts, "errors": errors.total(), "error_kinds": errors.kinds()}
+
+    def thread_a(steps: _Steps) -> None:
+        steps.wait(0)
+        try:
+            torch.set_default_device("cuda")
+            steps.set(1)
+            steps.wait(2)
+        finally:
+            torch.set_default_device(None)
+            steps.set(3)
+
+    def thread_b(steps: _Steps) -> None:
+        # The guard keeps the device it saw when it was made (the test makes it before its
+        # set_default_device), so it is made before A sets "cuda".
+        guard = new_guard()
+        steps.set(0)
+        steps.wait(1)
+        try:
+            torch.set_default_device("cuda")
+            steps.set(2)
+            steps.wait(3)
+            check(guard)
+        finally:
+            torch.set_default_device(None)
+
+    _ordered_rounds(rounds, thread_a, thread_b, errors, after=after_round)
+    return {"rounds": rounds, "ordered": True, **counts, "errors": errors.total(), "error_kinds": errors.kinds()}
 
 
 @scenario
