@@ -11,6 +11,7 @@ frames faulthandler printed, so a crash counts as the hazard showing.
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import os
@@ -49,26 +50,41 @@ class _Errors:
         return list(self.by_kind)[:3]
 
 
-def _barrier_rounds(threads: int, rounds: int, body: Any, errors: _Errors, after: Any = None) -> None:
-    """``rounds`` rounds of ``threads`` threads that start ``body`` together (a barrier), as pytest-run-parallel
-    runs a test body; exceptions are counted in ``errors``; ``after()`` runs between rounds."""
+def _rounds(rounds: int, make_round: Any, errors: _Errors, after: Any = None) -> None:
+    """``rounds`` rounds; each runs the callables ``make_round()`` returns, one thread each, and joins them.
+    Exceptions are counted in ``errors`` (the question is whether the process survives); ``after()`` runs
+    between rounds."""
 
-    def worker(barrier: threading.Barrier) -> None:
+    def worker(fn: Any) -> None:
         try:
-            barrier.wait(timeout=60)
-            body()
-        except Exception as e:  # counted: the question is whether the process survives
+            fn()
+        except Exception as e:  # counted, not raised
             errors.add(e)
 
     for _ in range(rounds):
-        barrier = threading.Barrier(threads)
-        ts = [threading.Thread(target=worker, args=(barrier,)) for _ in range(threads)]
+        ts = [threading.Thread(target=worker, args=(fn,)) for fn in make_round()]
         for t in ts:
             t.start()
         for t in ts:
             t.join()
         if after is not None:
             after()
+
+
+def _barrier_rounds(threads: int, rounds: int, body: Any, errors: _Errors, after: Any = None) -> None:
+    """``rounds`` rounds of ``threads`` threads that start ``body`` together (a barrier), as pytest-run-parallel
+    runs a test body; exceptions are counted in ``errors``; ``after()`` runs between rounds."""
+
+    def make_round() -> list[Any]:
+        barrier = threading.Barrier(threads)
+
+        def start_together() -> None:
+            barrier.wait(timeout=60)
+            body()
+
+        return [start_together] * threads
+
+    _rounds(rounds, make_round, errors, after)
 
 
 class _Steps:
@@ -95,21 +111,11 @@ def _ordered_rounds(rounds: int, thread_a: Any, thread_b: Any, errors: _Errors, 
     """``rounds`` rounds of two threads that run ``thread_a(steps)`` and ``thread_b(steps)`` with fresh
     :class:`_Steps`; exceptions are counted in ``errors``; ``after()`` runs between rounds."""
 
-    def worker(fn: Any, steps: _Steps) -> None:
-        try:
-            fn(steps)
-        except Exception as e:  # counted, as in _barrier_rounds
-            errors.add(e)
-
-    for _ in range(rounds):
+    def make_round() -> list[Any]:
         steps = _Steps()
-        ts = [threading.Thread(target=worker, args=(fn, steps)) for fn in (thread_a, thread_b)]
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join()
-        if after is not None:
-            after()
+        return [functools.partial(thread_a, steps), functools.partial(thread_b, steps)]
+
+    _rounds(rounds, make_round, errors, after)
 
 
 def _make_instance(k: float) -> Any:
@@ -528,6 +534,7 @@ def default_dtype_restore_race(threads: int = 4, rounds: int = 300, ordered: int
 
     if not ordered:
         _barrier_rounds(threads, rounds, body, errors, after=after_round)
+
     def thread_a(steps: _Steps) -> None:
         with set_default_dtype(torch.double):
             steps.set(0)
