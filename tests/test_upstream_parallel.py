@@ -214,6 +214,46 @@ def test_a_test_that_sets_the_default_device_runs_in_one_thread() -> None:
     assert "torch.set_default_device" in {name for name, _ in ub.THREAD_UNSAFE}
 
 
+def test_a_test_under_a_mock_patch_decorator_runs_in_one_thread() -> None:
+    """A ``mock.patch`` decorator is one patcher object for every call: in N threads one thread's exit
+    deletes the state another thread's exit needs, and an exit that raises between its ``delattr`` and its
+    ``setattr`` on a ``ConfigModule`` hides the key from the whole process (torch 2.13's
+    ``test_misc.py::test_foreach_tensor_scalar`` at 4 threads; 230 later tests failed, in one mode or the other
+    at random). Shown with ``TTC_DISABLE=1`` in the failing order (B's exit raises every round); the plan
+    plugin finds the decorator, which pytest-run-parallel's reading of the test's code does not see."""
+    import functools
+    from unittest.mock import patch
+
+    from ttc_testing import crash_scenarios
+
+    off = crash_scenarios.run(
+        "mock_decorator_shared_patcher", env={**os.environ, "TTC_DISABLE": "1"}, rounds=20, ordered=1
+    )
+    assert off.get("errors") == 20, off
+    assert all("'_patch' object has no attribute" in k for k in off["error_kinds"]), off
+
+    plan = _bench_module("pytest_plugins", "ttc_parallel_plan")
+
+    class Holder:
+        value = 1
+
+    @patch.object(Holder, "value", 2)
+    def decorated() -> None:
+        pass
+
+    @functools.wraps(decorated)  # as torch's TestCase wraps each test method
+    def wrapper() -> None:
+        decorated()
+
+    def plain() -> None:
+        with patch.object(Holder, "value", 2):
+            pass
+
+    assert plan._mock_decorated(decorated) == "mock.patch"
+    assert plan._mock_decorated(wrapper) == "mock.patch"
+    assert plan._mock_decorated(plain) is None  # found by pytest-run-parallel itself (mock.patch in the code)
+
+
 def test_a_test_that_loads_or_resets_precompile_entries_runs_in_one_thread() -> None:
     """``test_misc.py::test_fail_on_recompile_error_message`` loads and resets the precompile entries of its
     nested function's code object, which the N threads share: one thread's reset frees the entry another

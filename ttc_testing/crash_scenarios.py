@@ -716,6 +716,69 @@ def default_device_restore_race(
 
 
 @scenario
+def mock_decorator_shared_patcher(threads: int = 4, rounds: int = 50, ordered: int = 0,
+                                  switch_s: float = 1e-6) -> dict[str, Any]:
+    """Not a package hazard: a test under ``@patch.object(torch._dynamo.config, "capture_scalar_outputs",
+    True)`` run in N threads (torch 2.13's ``dynamo/test_misc.py::test_foreach_tensor_scalar`` at 4 threads,
+    where pytest-run-parallel 0.10 does not see the decorator). The decorator is one ``_patch`` object for every
+    call, and its ``__exit__`` deletes the state it saved on entry (``target``, ``temp_original``,
+    ``is_local``): another thread's exit then raises ``AttributeError`` half done. When that happens after its
+    ``delattr`` on a ``ConfigModule`` and before its ``setattr``, the key stays hidden from every thread
+    (``_ConfigEntry.hide`` is process-global): every later compile that reads it fails with
+    ``torch._dynamo.config.capture_scalar_outputs does not exist`` (230 tests of the file after it, in one run).
+
+    ``ordered=0``: each round ``threads`` threads (a barrier) call the decorated function 20 times, the GIL
+    handed over every ``switch_s`` seconds; reports the exits that raised and the rounds that left the key
+    hidden (then shown again). ``ordered=1``: two threads, A enters, B enters, A leaves, B leaves (each step
+    handed over by an event): B's exit raises every round."""
+    from unittest.mock import patch
+
+    import torch._dynamo
+
+    entry = torch._dynamo.config._config["capture_scalar_outputs"]
+    errors = _Errors()
+    counts = {"rounds_left_hidden": 0}
+
+    @patch.object(torch._dynamo.config, "capture_scalar_outputs", True)
+    def decorated(during: Any = None) -> None:
+        if not torch._dynamo.config.capture_scalar_outputs:
+            raise AssertionError("the patch is not in effect inside the decorated function")
+        if during is not None:
+            during()
+
+    def after_round() -> None:
+        if entry.hide:
+            counts["rounds_left_hidden"] += 1
+            entry.hide = False
+
+    if not ordered:
+        sys.setswitchinterval(switch_s)
+
+        def body() -> None:
+            for _ in range(20):
+                decorated()
+
+        _barrier_rounds(threads, rounds, body, errors, after=after_round)
+    else:
+
+        def thread_a(steps: _Steps) -> None:
+            def during() -> None:
+                steps.set(0)
+                steps.wait(1)
+
+            decorated(during)
+            steps.set(2)
+
+        def thread_b(steps: _Steps) -> None:
+            steps.wait(0)
+            decorated(lambda: (steps.set(1), steps.wait(2)))
+
+        _ordered_rounds(rounds, thread_a, thread_b, errors, after=after_round)
+    return {"rounds": rounds, "ordered": bool(ordered), **counts, "errors": errors.total(),
+            "error_kinds": errors.kinds()}
+
+
+@scenario
 def fx_annotate_global_race(threads: int = 4, rounds: int = 20, calls: int = 500) -> dict[str, Any]:
     """Not a package hazard: torch's ``torch.fx.traceback.current_meta`` is one module global, and
     ``fx_traceback.annotate`` (which ``torch._dynamo``'s ``_fn`` enters around every call of a function it
