@@ -532,9 +532,6 @@ def default_dtype_restore_race(threads: int = 4, rounds: int = 300, ordered: int
             victim_float64 += torch.randn(4, 4).dtype == torch.float64
             torch.set_default_dtype(torch.float32)
 
-    if not ordered:
-        _barrier_rounds(threads, rounds, body, errors, after=after_round)
-
     def thread_a(steps: _Steps) -> None:
         with set_default_dtype(torch.double):
             steps.set(0)
@@ -549,6 +546,8 @@ def default_dtype_restore_race(threads: int = 4, rounds: int = 300, ordered: int
 
     if ordered:
         _ordered_rounds(rounds, thread_a, thread_b, errors, after=after_round)
+    else:
+        _barrier_rounds(threads, rounds, body, errors, after=after_round)
     return {"rounds": rounds, "leaked": leaked, "victim_float64": victim_float64, "guard_body": guard is not None,
             "errors": errors.total(), "error_kinds": errors.kinds()}
 
