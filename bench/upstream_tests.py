@@ -715,6 +715,15 @@ def _run_both_modes(i: int, f: TestFile, python: str, tmp: Path, file_timeout: f
     return res
 
 
+def still_active_only(alone: dict[str, str] | None) -> bool:
+    """Whether a test that failed only active in a run is still held against the package after its re-run
+    alone (``FileResult.rerun``'s entry, or None if it was not re-run): it is unless, alone, it passed active
+    or did not pass with ``TTC_DISABLE=1`` either (a crash or no result active counts against the package). A
+    test that races with itself in N threads fails now in one mode, now in the other; its run alone is the one
+    reading that does not depend on the schedule of its file."""
+    return alone is None or (alone.get("active") != "passed" and alone.get("disabled") == "passed")
+
+
 def run_all(files: list[TestFile], python: str, file_timeout: float, test_timeout: float, rerun: int,
             log_dir: Path | None, jobs: int = 1) -> tuple[list[FileResult], dict[str, dict]]:
     """Every file in both modes. With ``jobs`` > 1, that many files at once (each file's two modes still one

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from test_upstream_subset import OWN_FILES, SHARED, _run_script
+from test_upstream_subset import OWN_FILES, SHARED, _bench_module, _run_script
 
 # fx/test_fx_split.py: one of the files added to the shared corpus later (2 of its 3 tests fail at 4 threads
 # unpatched, none active: docs/upstream-tests.md, the union plan).
@@ -74,13 +74,9 @@ def test_upstream_parallel_subset_active_no_crash_no_active_only_failure(tmp_pat
         second = json.loads((tmp_path / "again.json").read_text())
         repeated = {nid for r in second["files"] for nid in r["active_only"]}
         alone = {nid: a for r in second["files"] for nid, a in r.get("rerun", {}).items()}
-
-        def counts(nid: str) -> bool:
-            a = alone.get(nid)
-            return nid in repeated and (a is None or (a.get("active") in ("failed", "error")
-                                                      and a.get("disabled") == "passed"))
-
-        active_only = {nid: f"{msg} (alone: {alone.get(nid)})" for nid, msg in active_only.items() if counts(nid)}
+        held = _bench_module(".", "upstream_tests").still_active_only
+        active_only = {nid: f"{msg} (alone: {alone.get(nid)})" for nid, msg in active_only.items()
+                       if nid in repeated and held(alone.get(nid))}
     listed = [f"{nid}: {msg}" for nid, msg in active_only.items()]
     assert not listed, "tests failing only with the package active, twice:\n" + "\n".join(listed) + "\n\n" + report
 
@@ -120,15 +116,16 @@ def test_thread_plan_sees_listed_classes_imported_by_name() -> None:
         del sys.modules["listed_for_test"]
 
 
-def _bench_module(folder: str, name: str) -> types.ModuleType:
-    """A module of bench/ (``folder`` "." for the scripts, "pytest_plugins" for the plugins), imported by its
-    own name with its folder on sys.path, as the bench runs it (the scripts import ``_harness`` so)."""
-    path = str(Path(__file__).resolve().parents[1] / "bench" / folder)
-    sys.path.insert(0, path)
-    try:
-        return importlib.import_module(name)
-    finally:
-        sys.path.remove(path)
+def test_a_failure_counts_against_the_package_only_if_alone_it_fails_active_and_passes_unpatched() -> None:
+    """The one rule both CI subsets and the bench's report apply to an active-only failure after its run alone."""
+    held = _bench_module(".", "upstream_tests").still_active_only
+    assert held(None)  # not re-run: nothing clears it
+    assert held({"active": "failed", "disabled": "passed"})
+    assert held({"active": "error", "disabled": "passed"})
+    assert not held({"active": "passed", "disabled": "passed"})  # passes alone: its file's schedule
+    assert not held({"active": "failed", "disabled": "failed"})  # fails alone in both modes
+    assert held({"active": "crashed", "disabled": "passed"})  # a crash alone is the package's
+    assert held({"active": "not run", "disabled": "passed"})
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").is_file(), reason="the CPU reading needs Linux /proc")

@@ -78,13 +78,14 @@ def _judge_own_function_too(plugin: Any) -> None:
         unsafe, reason = judge(item)
         if unsafe:
             return unsafe, reason
-        patched = _mock_decorated(getattr(item, "obj", None))
+        obj = getattr(item, "obj", None)  # read once: pytest resolves it on the item
+        patched = _mock_decorated(obj)
         if patched:
             return True, f"decorated with {patched} (one patcher object shared by the threads)"
-        own = inspect.unwrap(getattr(item, "obj", None))
+        own = inspect.unwrap(obj) if obj is not None else None
         if own is None:
             return unsafe, reason
-        if own is not item.obj:
+        if own is not obj:
             unsafe, reason = identify_thread_unsafe_nodes(
                 own, self.skipped_functions, self.mark_warnings_as_unsafe, self.mark_ctypes_as_unsafe,
                 self.mark_hypothesis_as_unsafe)
