@@ -748,26 +748,44 @@ def run_all(files: list[TestFile], python: str, file_timeout: float, test_timeou
     return results, probes
 
 
-def run_completion(files: list[TestFile], python: str, file_timeout: float, test_timeout: float, runs: int,
+def _complete_runs(f: TestFile, python: str, tmp: Path, file_timeout: float, test_timeout: float, runs: int,
                    log_dir: Path | None) -> list[dict]:
-    """``--completion-runs K``: each file K times with the package active only (fresh process each, the
-    thread plan made once with ``TTC_DISABLE=1`` as in the comparison): does the process complete, and with
-    how many tests passed and failed. A crash is the one answer the package must never give, and a rare one
-    shows only over several runs; which failures are the package's is the comparison's job."""
+    """One file's completion runs, one after the other (its thread plan made once, as for the comparison)."""
     rows: list[dict] = []
+    plan = file_plan(python, f, tmp, file_timeout)
+    for k in range(runs):
+        log(f"{f.key} [active, run {k + 1}/{runs}] ...")
+        r = run_file(python, f, "active", tmp, file_timeout, test_timeout, log_dir=log_dir, plan=plan)
+        log(f"{f.key} [active, run {k + 1}/{runs}] {r.count('passed')} passed, {r.count(*FAILED)} failed, "
+            f"{r.wall_s:.1f} s{' — ' + r.crashed if r.crashed else ''}")
+        rows.append({"file": f.rel, "run": k + 1, "completed": not r.crashed, "crashed": r.crashed,
+                     "timed_out": r.timed_out, "passed": r.count("passed"), "failed": r.count(*FAILED),
+                     "wall_s": round(r.wall_s, 1)})
+    return rows
+
+
+def run_completion(files: list[TestFile], python: str, file_timeout: float, test_timeout: float, runs: int,
+                   log_dir: Path | None, jobs: int = 1) -> list[dict]:
+    """``--completion-runs K``: each file K times with the package active only (fresh process each, the
+    file's thread plan made once by ``make_plan``, as in the comparison): does the process complete, and with
+    how many tests passed and failed. A crash is the one answer the package must never give, and a rare one
+    shows only over several runs; which failures are the package's is the comparison's job. With ``jobs`` > 1,
+    that many files at once (a file's runs still one after the other), as ``run_all`` does."""
     with tempfile.TemporaryDirectory(prefix="ttc-upstream-") as tmpdir:
         tmp = Path(tmpdir)
-        for f in files:
-            plan = file_plan(python, f, tmp, file_timeout)
-            for k in range(runs):
-                log(f"{f.key} [active, run {k + 1}/{runs}] ...")
-                r = run_file(python, f, "active", tmp, file_timeout, test_timeout, log_dir=log_dir, plan=plan)
-                log(f"{f.key} [active, run {k + 1}/{runs}] {r.count('passed')} passed, {r.count(*FAILED)} failed, "
-                    f"{r.wall_s:.1f} s{' — ' + r.crashed if r.crashed else ''}")
-                rows.append({"file": f.rel, "run": k + 1, "completed": not r.crashed, "crashed": r.crashed,
-                             "timed_out": r.timed_out, "passed": r.count("passed"), "failed": r.count(*FAILED),
-                             "wall_s": round(r.wall_s, 1)})
-    return rows
+        args = (python, tmp, file_timeout, test_timeout, runs, log_dir)
+        if jobs <= 1:
+            return [row for f in files for row in _complete_runs(f, *args)]
+        pool = ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="upstream-file")
+        futures = [pool.submit(_complete_runs, f, *args) for f in files]
+        try:
+            per_file = [fu.result() for fu in futures]  # in the files' order
+        except BaseException:
+            _STOP.set()  # each worker kills its child's process group (see _run) and starts no other
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise
+        pool.shutdown(wait=True)
+    return [row for rows in per_file for row in rows]
 
 
 def render_completion_md(rows: list[dict], probe: dict, threads: int, command: str) -> str:
@@ -1018,8 +1036,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="with --parallel-threads: which tests run in N threads in both modes: 'union' (default) "
                          "if either mode's judgement runs them there; 'disabled': TTC_DISABLE=1's judgement alone")
     ap.add_argument("--jobs", type=int, default=1, metavar="N",
-                    help="run N files at once (each file's two modes one after the other; default 1). Per-test "
-                         "verdicts only: the wall times in the table are then measured under each other's load")
+                    help="run N files at once (each file's two modes, or its --completion-runs, one after the "
+                         "other; default 1). Per-test verdicts only: the wall times in the table are then measured "
+                         "under each other's load")
     ap.add_argument("--stall-s", type=float, default=120.0,
                     help="with --parallel-threads: a child with no new output for this long is dumped and killed, "
                          "counted as a hang, unless it is computing (default 120; 0: off)")
@@ -1054,7 +1073,8 @@ def main(argv: list[str] | None = None) -> int:
         if not is_active(probe_active):
             print("ERROR: the package is not active in the child (see the probe)", file=sys.stderr)
             return 2
-        rows = run_completion(files, args.python, args.timeout, args.test_timeout, args.completion_runs, args.log_dir)
+        rows = run_completion(files, args.python, args.timeout, args.test_timeout, args.completion_runs, args.log_dir,
+                              args.jobs)
         table = render_completion_md(rows, probe_active, PARALLEL_THREADS, command)
         print(table)
         if args.md:
