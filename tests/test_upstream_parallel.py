@@ -117,7 +117,7 @@ def test_thread_plan_sees_listed_classes_imported_by_name() -> None:
 
 
 def test_a_failure_counts_against_the_package_only_if_alone_it_fails_active_and_passes_unpatched() -> None:
-    """The one rule both CI subsets and the bench's report apply to an active-only failure after its run alone."""
+    """The one rule both CI subsets apply to an active-only failure after its run alone (the bench's ``--rerun``)."""
     held = _bench_module(".", "upstream_tests").still_active_only
     assert held(None)  # not re-run: nothing clears it
     assert held({"active": "failed", "disabled": "passed"})
