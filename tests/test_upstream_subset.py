@@ -165,6 +165,7 @@ def test_upstream_parallel_subset_completes_active(tmp_path: Path) -> None:
                                total_timeout_s=2 * len(PARALLEL_FILES) * FILE_TIMEOUT_S + 120)
     assert {r["file"] for r in data["files"]} == set(PARALLEL_FILES), report
 
+    held = _bench_module(".", "upstream_tests").still_active_only
     problems = []
     for r in data["files"]:
         run = r["runs"]["active"]
@@ -174,6 +175,6 @@ def test_upstream_parallel_subset_completes_active(tmp_path: Path) -> None:
             problems.append(f"{r['file']}: no test passed active")
         for nid in (n for n in r["active_only"] if "::" in n):
             alone = r["rerun"].get(nid)
-            if _bench_module(".", "upstream_tests").still_active_only(alone):
+            if held(alone):
                 problems.append(f"{nid}: fails only active (alone: {alone}): {run['messages'].get(nid, '')}")
     assert not problems, "\n".join(problems) + "\n\n" + report
