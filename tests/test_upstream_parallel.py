@@ -128,6 +128,23 @@ def test_a_failure_counts_against_the_package_only_if_alone_it_fails_active_and_
     assert held({"active": "not run", "disabled": "passed"})
 
 
+def test_the_report_and_exit_status_hold_at_n_threads_only_what_the_rule_keeps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """At N threads the bench's report and exit status count the failures the rule keeps; in one thread every
+    active-only failure (do no harm is exact there)."""
+    ub = _bench_module(".", "upstream_tests")
+    runs = {m: ub.Run(m, 1, 1.0) for m in ub.MODES}
+    r = ub.FileResult("f.py", "s", runs, active_only=["f.py::a", "f.py::b", "f.py::c"],
+                      rerun={"f.py::a": {"active": "failed", "disabled": "passed"},
+                             "f.py::b": {"active": "passed", "disabled": "passed"}})
+    monkeypatch.setattr(ub, "PARALLEL_THREADS", 4)
+    assert ub.held_against_the_package([r]) == ["f.py::a", "f.py::c"]  # c was not re-run: nothing clears it
+    lines = ub._failure_lines([r], md=False)
+    assert [x.endswith("held against the package") for x in lines] == [True, False, True], lines
+    assert "held against the package after the run alone: 2" in ub._failures_heading([r], 3, md=False)
+    monkeypatch.setattr(ub, "PARALLEL_THREADS", 1)
+    assert ub.held_against_the_package([r]) == ["f.py::a", "f.py::b", "f.py::c"]
+
+
 @pytest.mark.skipif(not Path("/proc/self/stat").is_file(), reason="the CPU reading needs Linux /proc")
 def test_stall_detector_tells_a_computing_child_from_a_blocked_one(tmp_path: Path,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
